@@ -1,0 +1,100 @@
+"""Routing profile of a MoE target on reference text (the main job until the oracle lands).
+
+Loads the target and draft (default: the embedded models under models/), builds reference
+sequences from a prompt source (the target's greedy continuation, or the source's own
+references with --use-given), captures the experts the router selected for every reference
+token in one teacher-forced pass, and reports experts used per layer and the mean number of
+unique experts per layer in windows of 1..8 consecutive tokens. Logged to MLflow.
+
+    python -m jobs.profile_routing                          # HumanEval, embedded models
+    python -m jobs.profile_routing --source prompts.jsonl --limit 50 --max-new-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS, load_pair
+from pipeline.prompts import load_prompts
+from pipeline.reference import build_references
+from pipeline.routing_profile import RoutingProfile, reference_routing
+from pipeline.tracking import tracked_run, tracking_uri
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.profile_routing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL file")
+    p.add_argument("--limit", type=int, default=24, help="number of prompts (default 24)")
+    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir or id")
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft checkpoint dir or id")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="reference length budget")
+    p.add_argument(
+        "--use-given", action="store_true", help="use the source's references when present"
+    )
+    p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 ...")
+    p.add_argument("--max-window", type=int, default=8, help="largest window (default 8)")
+    p.add_argument("--out", type=Path, default=Path("out/profile"), help="output directory")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.max_new_tokens < 1 or args.max_window < 1:
+        p.error("--limit, --max-new-tokens and --max-window must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
+    print(
+        f"loaded {pair.spec.family} target and draft on {pair.device} ({pair.dtype}, "
+        f"experts={pair.experts_implementation})",
+        flush=True,
+    )
+    prompts = load_prompts(args.source, args.limit)
+    profile = RoutingProfile(pair.spec, max_window=args.max_window)
+    refs = build_references(
+        prompts, pair.target, pair.tokenizer, args.max_new_tokens, use_given=args.use_given
+    )
+    for n, ref in enumerate(refs, 1):
+        profile.add(reference_routing(pair.target, pair.spec, ref))
+        if n % 8 == 0 or n == len(refs):
+            elapsed = time.perf_counter() - started
+            print(f"  {n}/{len(refs)} sequences, {profile.tokens:,} tokens, {elapsed:.0f}s")
+
+    result = profile.as_dict()
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_file = args.out / "routing_profile.json"
+    out_file.write_text(json.dumps(result, indent=2) + "\n")
+    params = {k: str(v) for k, v in vars(args).items()}
+    with tracked_run("profile_routing", params=params) as run:
+        metrics = {f"unique_experts_w{w}": v for w, v in profile.mean_unique_in_window().items()}
+        for layer, used in zip(pair.spec.moe_layers, profile.experts_used_per_layer(), strict=True):
+            metrics[f"experts_used_layer{layer}"] = used
+        metrics.update(sequences=len(refs), reference_tokens=profile.tokens)
+        run.log_metrics(metrics)
+        run.log_artifact(str(out_file))
+        run_id = run.run_id
+
+    print()
+    print(profile.report())
+    print()
+    print(f"wrote {out_file}; MLflow run {run_id} at {tracking_uri()}")
+    print(f"done in {time.perf_counter() - started:.0f}s")
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as exc:  # our loaders raise ValueError subclasses with context
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,96 @@
+"""The command-line jobs, run for real on the embedded models (slow: end to end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
+from pipeline.tiny_models import directory_size_bytes
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return env
+
+
+def _run(args, cwd, check=True):
+    proc = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_env(),
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_embedded_models_are_committed_and_small():
+    assert (DEFAULT_TARGET / "config.json").is_file()
+    assert (DEFAULT_DRAFT / "tokenizer.json").is_file()
+    assert directory_size_bytes(REPO_ROOT / "models") <= 24 * 1024 * 1024
+    report = json.loads((REPO_ROOT / "models" / "train_report.json").read_text())
+    assert {"target_heldout_loss", "draft_target_top1_agreement"} <= report.keys()
+
+
+@pytest.mark.slow
+def test_profile_routing_job_end_to_end(tmp_path):
+    proc = _run(
+        ["jobs.profile_routing", "--limit", "3", "--max-new-tokens", "24", "--out", "prof"],
+        cwd=tmp_path,
+    )
+    assert "mean unique experts/layer" in proc.stdout
+    profile = json.loads((tmp_path / "prof" / "routing_profile.json").read_text())
+    windows = profile["mean_unique_experts_by_window"]
+    assert list(windows) == [str(w) for w in range(1, 9)]
+    assert windows["1"] == profile["top_k"]
+    assert all(windows[str(w)] <= windows[str(w + 1)] for w in range(1, 8))
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("profile_routing").experiment_id])
+    assert runs[0].info.status == "FINISHED"
+    assert runs[0].data.metrics["unique_experts_w1"] == profile["top_k"]
+
+
+def test_profile_routing_job_reports_bad_input_without_traceback(tmp_path):
+    proc = _run(
+        ["jobs.profile_routing", "--target", str(tmp_path / "missing")], tmp_path, check=False
+    )
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _run(["jobs.profile_routing", "--limit", "0"], tmp_path, check=False)
+    assert proc.returncode == 2 and "--limit" in proc.stderr
+
+
+@pytest.mark.slow
+def test_train_tiny_smoke(tmp_path):
+    proc = _run(
+        [
+            "jobs.train_tiny",
+            "--out",
+            "m",
+            "--target-steps",
+            "2",
+            "--draft-steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--heldout-tokens",
+            "2000",
+        ],
+        cwd=tmp_path,
+    )
+    assert "draft top-1 agreement" in proc.stdout
+    report = json.loads((tmp_path / "m" / "train_report.json").read_text())
+    assert report["target_params"] > report["draft_params"]
+    assert (tmp_path / "m" / "target" / "model.safetensors").is_file()
