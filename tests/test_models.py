@@ -12,45 +12,16 @@ from pipeline.adapters import SUPPORTED_FAMILIES, NoMoELayersError, UnsupportedA
 from pipeline.corpus import Document
 from pipeline.models import CheckpointError, TokenizerMismatchError, load_pair, pick_device
 from pipeline.tiny_models import train_tokenizer
+from tests.conftest import save_checkpoint
 from tests.tinymodels import tiny_config, tiny_model
-
-TEXTS = [
-    Document(f"d{i}", f"def f(x):\n    return x + {i}\n# the quick brown fox\n") for i in range(50)
-]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return train_tokenizer(TEXTS, vocab_size=300)
 
 
 def _save(path, model, tok):
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("ckpt")
-    vocab = len(tokenizer)
-    target = _save(root / "target", tiny_model("qwen3_moe", vocab_size=vocab), tokenizer)
-    draft_cfg = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    draft = _save(root / "draft", AutoModelForCausalLM.from_config(draft_cfg), tokenizer)
-    return root, target, draft
+    return save_checkpoint(path, model, tok)
 
 
 def test_load_pair_picks_device_dtype_and_experts_kernel(checkpoints):
-    _, target, draft = checkpoints
+    target, draft = checkpoints.target, checkpoints.draft
     pair = load_pair(target, draft, experts_implementation="eager")
     assert pair.device == pick_device()
     assert pair.dtype == (torch.bfloat16 if pair.device.type == "cuda" else torch.float32)
@@ -81,7 +52,7 @@ def test_every_family_reports_its_moe_layout():
 
 
 def test_target_without_moe_layers(checkpoints, tokenizer):
-    root, _, draft = checkpoints
+    root, draft = checkpoints.root, checkpoints.draft
     dense_moe = tiny_model("qwen3_moe", vocab_size=len(tokenizer), mlp_only_layers=[0, 1, 2])
     path = _save(root / "all_dense", dense_moe, tokenizer)
     with pytest.raises(NoMoELayersError, match="no MoE layers"):
@@ -89,7 +60,7 @@ def test_target_without_moe_layers(checkpoints, tokenizer):
 
 
 def test_unsupported_architecture_is_named_with_the_supported_list(checkpoints):
-    _, _, draft = checkpoints
+    draft = checkpoints.draft
     with pytest.raises(UnsupportedArchitectureError) as err:
         load_pair(draft, draft)  # a dense qwen3 as the target
     message = str(err.value)
@@ -99,7 +70,7 @@ def test_unsupported_architecture_is_named_with_the_supported_list(checkpoints):
 
 
 def test_draft_with_another_vocabulary(checkpoints):
-    root, target, _ = checkpoints
+    root, target = checkpoints.root, checkpoints.target
     other_tok = train_tokenizer([Document("x", "SELECT * FROM t WHERE a = 1;\n" * 40)], 280)
     cfg = AutoConfig.for_model(
         "qwen3",
@@ -117,7 +88,7 @@ def test_draft_with_another_vocabulary(checkpoints):
 
 
 def test_missing_and_corrupt_checkpoints(checkpoints, tmp_path):
-    root, target, draft = checkpoints
+    target, draft = checkpoints.target, checkpoints.draft
     with pytest.raises(CheckpointError, match="does not exist"):
         load_pair(tmp_path / "nowhere", draft)
     (tmp_path / "empty").mkdir()
@@ -146,6 +117,6 @@ def test_missing_and_corrupt_checkpoints(checkpoints, tmp_path):
 
 
 def test_unknown_experts_implementation(checkpoints):
-    _, target, draft = checkpoints
+    target, draft = checkpoints.target, checkpoints.draft
     with pytest.raises(ValueError, match="experts implementation 'fast'"):
         load_pair(target, draft, experts_implementation="fast")

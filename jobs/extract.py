@@ -1,0 +1,141 @@
+"""Extract what the oracle needs from reference sequences, sharded over a Ray cluster.
+
+For every reference sequence: the draft's probability of each reference token, the experts the
+target's router selected for it, and the target's routing of counterfactual junk tails
+(DESIGN sections 3-4), written as Parquet tables sequences/, tokens/, tails/ under --out.
+Resumable: a rerun with the same parameters skips the shards already written.
+
+    python -m jobs.extract --source humaneval --limit 16 --out out/extract
+    ray job submit --working-dir . -- python -m jobs.extract --source humaneval --limit 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import ray
+
+from pipeline.extract_pipeline import ExtractConfig, run_extraction
+from pipeline.junk_tails import TAIL_MODES
+from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
+from pipeline.prompts import load_prompts
+from pipeline.tracking import tracked_run, tracking_uri
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.extract",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL prompt file")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir or id")
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft checkpoint dir or id")
+    p.add_argument("--out", type=Path, default=Path("out/extract"), help="output directory")
+    p.add_argument("--lmax", type=int, default=8, help="largest draft length to price (8)")
+    p.add_argument("--tail-mode", choices=TAIL_MODES, default="shared", help="junk-tail sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the junk-tail sampling")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="reference length budget")
+    p.add_argument("--use-given", action="store_true", help="use the source's references")
+    p.add_argument("--shard-size", type=int, default=4, help="sequences per shard (4)")
+    p.add_argument("--actors", type=int, default=None, help="actor pool size (default: auto)")
+    p.add_argument("--cpus-per-actor", type=float, default=None, help="CPU actors' num_cpus")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per CPU actor")
+    p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray address (default: the job's cluster "
+        "under `ray job submit`, else a new local one)",
+    )
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
+    p.add_argument("--overwrite", action="store_true", help="discard an earlier run in --out")
+    args = p.parse_args(argv)
+    for name in ("lmax", "max_new_tokens", "shard_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    prompts = load_prompts(args.source, args.limit)
+    config = ExtractConfig(
+        target=str(args.target),
+        draft=str(args.draft),
+        out=str(args.out.resolve()),
+        lmax=args.lmax,
+        mode=args.tail_mode,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        use_given=args.use_given,
+        device=args.device,
+        dtype=args.dtype,
+        experts_implementation=args.experts_implementation,
+        threads=args.threads,
+    )
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=args.address, num_cpus=args.num_cpus, log_to_driver=True)
+    try:
+        with tracked_run(
+            "extract",
+            params={**config.manifest(args.source, args.limit, args.shard_size), "out": config.out},
+        ) as run:
+            result = run_extraction(
+                config,
+                prompts,
+                args.source,
+                args.limit,
+                shard_size=args.shard_size,
+                actors=args.actors,
+                cpus_per_actor=args.cpus_per_actor,
+                overwrite=args.overwrite,
+            )
+            stats = result["stats"]
+            seconds = max(stats.seconds, 1e-9)
+            run.log_metrics(
+                {
+                    "sequences": stats.sequences,
+                    "reference_tokens": stats.reference_tokens,
+                    "tail_tokens": stats.tail_tokens,
+                    "tails": stats.tails,
+                    "shards_done": result["shards_done"],
+                    "shards_skipped": result["shards_skipped"],
+                    "nodes": len(result["nodes"]),
+                    "reference_tokens_per_s": stats.reference_tokens / seconds,
+                    "target_forwards_per_reference_token": stats.target_token_forwards
+                    / max(1, stats.reference_tokens),
+                    "seconds": stats.seconds,
+                }
+            )
+            run.log_params({"output_path": config.out})
+            run_id = run.run_id
+    finally:
+        if started_ray:
+            ray.shutdown()
+    print(
+        f"\nextracted {stats.sequences} sequences ({stats.reference_tokens:,} reference tokens, "
+        f"{stats.tail_tokens:,} tail tokens) in {stats.seconds:.0f}s on {len(result['nodes'])} "
+        f"node(s); {result['shards_skipped']} shard(s) were already complete"
+    )
+    print(
+        f"tables under {config.out}/{{sequences,tokens,tails}}; MLflow run {run_id} at "
+        f"{tracking_uri()}"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,58 @@
+"""Shared fixtures: saved tiny checkpoints (target + draft with one tokenizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipeline.corpus import Document
+from pipeline.tiny_models import train_tokenizer
+from tests.tinymodels import tiny_model
+
+TEXTS = [
+    Document(f"d{i}", f"def f(x):\n    return x + {i}\n# the quick brown fox jumps\n")
+    for i in range(50)
+]
+
+
+def tiny_draft(vocab_size: int, seed: int = 1):
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "qwen3", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def save_checkpoint(path: Path, model, tokenizer) -> Path:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@dataclass(frozen=True)
+class TinyCheckpoints:
+    root: Path
+    target: Path
+    draft: Path
+    tokenizer: object
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(TEXTS, vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer) -> TinyCheckpoints:
+    root = tmp_path_factory.mktemp("ckpt")
+    vocab = len(tokenizer)
+    target = save_checkpoint(root / "target", tiny_model("qwen3_moe", vocab_size=vocab), tokenizer)
+    draft = save_checkpoint(root / "draft", tiny_draft(vocab), tokenizer)
+    return TinyCheckpoints(root, target, draft, tokenizer)
