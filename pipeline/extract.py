@@ -72,6 +72,7 @@ def experts_array(routing: np.ndarray) -> pa.Array:
 class ExtractStats:
     sequences: int = 0
     reference_tokens: int = 0
+    prompt_tokens: int = 0
     tail_tokens: int = 0
     tails: int = 0
     target_token_forwards: int = 0
@@ -82,6 +83,7 @@ class ExtractStats:
         for name in (
             "sequences",
             "reference_tokens",
+            "prompt_tokens",
             "tail_tokens",
             "tails",
             "target_token_forwards",
@@ -216,6 +218,7 @@ def extract_sequence(
     stats = ExtractStats(
         sequences=1,
         reference_tokens=n,
+        prompt_tokens=ref.prompt_len,
         tail_tokens=total_tail,
         tails=n_tails,
         target_token_forwards=len(ref.all_ids) + total_tail,

@@ -171,7 +171,6 @@ def run_extraction(
         compute=ActorPoolStrategy(size=plan.actors, max_tasks_in_flight_per_actor=1),
         num_gpus=plan.num_gpus or None,
         num_cpus=plan.num_cpus,
-        scheduling_strategy="SPREAD",
     )
     total_seqs = sum(len(shards[k]) for k in todo)
     started = time.perf_counter()
