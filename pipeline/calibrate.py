@@ -1,0 +1,108 @@
+"""Timed speculative rounds for the verification-cost model (the ``rounds`` table).
+
+For every prompt and every budget K: greedy speculative decoding with a fixed chain of K draft
+tokens (K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs). Each
+round records the target verification time T_T, the draft time T_D, m = K + 1, the routing
+signal U (mean over MoE layers of unique experts in the pass), the context length, KV
+occupancy, the generation id, the category and the accepted count. Budgets are interleaved per
+prompt so slow drifts of the machine do not masquerade as effects of K, and warm-up rounds on
+the first prompt are run for every K and discarded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from pipeline.models import ModelPair
+from pipeline.prompts import Prompt
+from pipeline.speculative import commit, propose_greedy, start, verify_greedy
+
+ROUNDS_SCHEMA = pa.schema(
+    [
+        ("gen_id", pa.string()),
+        ("category", pa.string()),
+        ("k", pa.int32()),
+        ("m", pa.int32()),
+        ("t_target_ms", pa.float64()),
+        ("t_draft_ms", pa.float64()),
+        ("u_bar", pa.float64()),
+        ("ctx_len", pa.int32()),  # L = L_prompt + i: committed tokens before the round
+        ("kv_tokens", pa.int32()),  # target KV-cache length before the pass
+        ("kv_occupancy", pa.float64()),  # kv_tokens / max positions
+        ("accepted", pa.int32()),
+        ("round", pa.int32()),  # index of the round within its generation
+    ]
+)
+
+
+def _generation_rounds(
+    pair: ModelPair,
+    prompt_ids: list[int],
+    k: int,
+    max_new_tokens: int,
+    eos: int | None,
+    repeats: int = 1,
+) -> list[dict]:
+    state = start(pair, prompt_ids)
+    max_pos = getattr(pair.target.config, "max_position_embeddings", 0) or 0
+    rows: list[dict] = []
+    while state.generated < max_new_tokens:
+        ctx_len = len(state.committed)
+        proposal = propose_greedy(pair, state, k, repeats)
+        verification = verify_greedy(pair, state, proposal.tokens, repeats)
+        commit(state, verification)
+        rows.append(
+            {
+                "k": k,
+                "m": k + 1,
+                "t_target_ms": verification.t_ms,
+                "t_draft_ms": proposal.t_ms,
+                "u_bar": verification.u_bar,
+                "ctx_len": ctx_len,
+                "kv_tokens": verification.kv_tokens,
+                "kv_occupancy": verification.kv_tokens / max_pos if max_pos else 0.0,
+                "accepted": verification.accepted,
+                "round": len(rows),
+            }
+        )
+        if eos is not None and eos in verification.new_tokens:
+            break
+    return rows
+
+
+def collect_rounds(
+    pair: ModelPair,
+    prompts: list[Prompt],
+    ks: list[int],
+    max_new_tokens: int = 64,
+    warmup_tokens: int = 16,
+    max_prompt_tokens: int = 512,
+    repeats: int = 1,
+    log: Callable[[str], None] = print,
+) -> pa.Table:
+    """``repeats`` > 1 times every pass that many times and records the median."""
+    if not prompts:
+        raise ValueError("calibration needs at least one prompt")
+    if any(k < 0 for k in ks):
+        raise ValueError(f"budgets must be >= 0, got {ks}")
+    tok = pair.tokenizer
+    encoded = [
+        tok(p.text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:] for p in prompts
+    ]
+    eos = tok.eos_token_id
+    for k in ks:  # warm-up: allocator, kernels, caches; discarded
+        _generation_rounds(pair, encoded[0], k, warmup_tokens, eos)
+    rows: list[dict] = []
+    started = time.perf_counter()
+    for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
+        for k in ks:
+            for row in _generation_rounds(pair, ids, k, max_new_tokens, eos, repeats):
+                rows.append({"gen_id": f"{prompt.prompt_id}|K{k}", "category": prompt.category,
+                             **row})  # fmt: skip
+        elapsed = time.perf_counter() - started
+        eta = elapsed / n * (len(prompts) - n)
+        log(f"[calibrate] prompt {n}/{len(prompts)}: {len(rows):,} rounds, ETA {eta:.0f}s")
+    return pa.Table.from_pylist(rows, schema=ROUNDS_SCHEMA)

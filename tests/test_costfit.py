@@ -1,0 +1,84 @@
+"""The cost-model fit recovers known coefficients from synthetic rounds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.costfit import fit_cost_model
+from pipeline.costmodel import CostModel
+
+TRUE_BETA0 = {1: 5.0, 2: 5.5, 3: 6.0, 4: 6.2, 5: 4.0, 6: 4.3}
+TRUE_ALPHA = {1: 0.0, 2: 0.08, 3: 0.08, 4: 0.09, 5: 0.26, 6: 0.27}
+TRUE_C, DRAFT_A, DRAFT_B = 0.0011, 0.46, 0.07
+
+
+def synthetic_rounds(seed: int = 0, generations: int = 40) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for g in range(generations):
+        gen_effect = rng.normal(0, 0.02)  # rounds of one generation share a little noise
+        for k in range(0, 6):
+            m = k + 1
+            for r in range(12):
+                u = 4.0 if m == 1 else rng.uniform(4, 4 + 3 * m)
+                ctx = 100 + 20 * r + rng.integers(0, 50)
+                t = TRUE_BETA0[m] + TRUE_ALPHA[m] * u + TRUE_C * ctx + gen_effect
+                rows.append(
+                    {
+                        "gen_id": f"g{g}|K{k}",
+                        "category": "x",
+                        "k": k,
+                        "m": m,
+                        "t_target_ms": t + rng.normal(0, 0.03),
+                        "t_draft_ms": DRAFT_A * k + DRAFT_B + rng.normal(0, 0.02) if k else 0.0,
+                        "u_bar": u,
+                        "ctx_len": ctx,
+                        "kv_tokens": ctx - 1,
+                        "kv_occupancy": (ctx - 1) / 2048,
+                        "accepted": rng.integers(0, k + 1),
+                        "round": r,
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def test_fit_recovers_known_coefficients(tmp_path):
+    fit = fit_cost_model(synthetic_rounds(), meta={"device": "synthetic"})
+    model = fit.model
+    for m in TRUE_BETA0:
+        assert model.beta0[m] == pytest.approx(TRUE_BETA0[m], abs=0.05), m
+        assert model.alpha[m] == pytest.approx(TRUE_ALPHA[m], abs=0.005), m
+    assert model.c == pytest.approx(TRUE_C, rel=0.1)
+    assert model.draft_a == pytest.approx(DRAFT_A, abs=0.01)
+    assert model.draft_b == pytest.approx(DRAFT_B, abs=0.02)
+    per_m = fit.per_m.set_index("m")
+    assert (per_m.loc[2:, "alpha_p"] < 1e-3).all()
+    assert (per_m["oos_mape"] < 2.0).all()
+    factors = fit.factors.set_index("factor")
+    assert {"u_bar", "ctx_len", "m", "accepted"} <= set(factors.index)
+    assert factors.loc["u_bar", "oos_r2"] > 0.5
+    # Context carries information U lacks: adding it to U lowers the held-out error.
+    assert factors.loc["ctx_len", "rmse_reduction_ms"] > 0
+    assert fit.notes and "m=1" in fit.notes[0]
+    path = tmp_path / "costmodel.json"
+    model.save(path)
+    data = json.loads(path.read_text())
+    assert {"beta0", "alpha", "c", "draft", "device", "fit"} <= data.keys()
+    again = CostModel.load(path)
+    assert again.t_target(3, 10.0, 500) == pytest.approx(model.t_target(3, 10.0, 500))
+    assert again.t_draft(4) == pytest.approx(DRAFT_A * 4 + DRAFT_B, abs=0.05)
+    with pytest.raises(KeyError, match="m = 9"):
+        again.t_target(9, 10.0, 500)
+
+
+def test_fit_rejects_unusable_input():
+    with pytest.raises(ValueError, match="lacks columns"):
+        fit_cost_model(pd.DataFrame({"k": [1]}))
+    one_gen = synthetic_rounds(generations=1)
+    one_gen["gen_id"] = "only"
+    with pytest.raises(ValueError, match="at least 2 generations"):
+        fit_cost_model(one_gen)
