@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": _device_name(pair.device),
         "dtype": str(pair.dtype).replace("torch.", ""),
         "experts_implementation": pair.experts_implementation,
-        "target": pair.target_path,
-        "draft": pair.draft_path,
+        "target_model": pair.target_path,
+        "draft_model": pair.draft_path,
         "batch_size": 1,
         "timing_repeats": repeats,
     }

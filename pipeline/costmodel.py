@@ -32,6 +32,9 @@ class CostModel:
         return max(self.beta0)
 
     def to_json(self) -> dict[str, Any]:
+        clash = {"beta0", "alpha", "c", "draft"} & self.meta.keys()
+        if clash:
+            raise ValueError(f"cost-model metadata may not use the keys {sorted(clash)}")
         return {
             "beta0": {str(m): v for m, v in sorted(self.beta0.items())},
             "alpha": {str(m): v for m, v in sorted(self.alpha.items())},

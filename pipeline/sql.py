@@ -22,11 +22,15 @@ def query_text(name: str) -> str:
     return path.read_text()
 
 
-def run_query(name: str, **tables: str | Path) -> pd.DataFrame:
-    """Run ``sql/<name>.sql`` with each keyword bound to a view over a Parquet file or glob."""
+def run_query(name: str, **tables: str | Path | pd.DataFrame) -> pd.DataFrame:
+    """Run ``sql/<name>.sql`` with each keyword bound to a view over a Parquet file or glob,
+    or to an in-memory DataFrame (the result of an earlier query)."""
     con = duckdb.connect()
     try:
         for table, source in tables.items():
+            if isinstance(source, pd.DataFrame):
+                con.register(table, source)
+                continue
             src = str(source).replace("'", "''")
             con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{src}')")
         return con.execute(query_text(name)).fetchdf()

@@ -60,6 +60,7 @@ def test_real_calibration_on_embedded_models(tmp_path):
     assert pq.read_schema(out / "rounds.parquet").names == ROUNDS_SCHEMA.names
     model = json.loads((out / "costmodel.json").read_text())
     assert model["experts_implementation"] == "eager"
+    assert model["draft"]["a"] > 0 and "draft_model" in model
     per_m = model["fit"]["per_m"]
     assert set(per_m) == {"1", "2", "4", "6", "8"}
     for m in ("4", "6", "8"):

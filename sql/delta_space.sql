@@ -1,0 +1,27 @@
+-- Delta space (the paper's section 5.2) over the `decisions` table: for every state, every
+-- rejected budget k against the optimal k*, the change in expected progress and in expected
+-- round cost, in time (ms) and in experts (U).
+WITH best AS (
+    SELECT seq_id, lmax, i, k AS k_star, e_accept, e_cost_ms, e_experts, visit
+    FROM decisions
+    WHERE chosen
+)
+SELECT
+    d.seq_id,
+    d.lmax,
+    d.i,
+    d.k,
+    b.k_star,
+    b.visit,
+    d.e_accept - b.e_accept     AS d_accept,
+    d.e_cost_ms - b.e_cost_ms   AS d_cost_ms,
+    d.e_experts - b.e_experts   AS d_experts,
+    CASE
+        WHEN d.e_accept - b.e_accept > 0 AND d.e_cost_ms - b.e_cost_ms >= 0 THEN 'I'
+        WHEN d.e_accept - b.e_accept > 0 THEN 'II'
+        WHEN d.e_accept - b.e_accept <= 0 AND d.e_cost_ms - b.e_cost_ms < 0 THEN 'III'
+        ELSE 'IV'
+    END                         AS quadrant
+FROM decisions AS d
+JOIN best AS b USING (seq_id, lmax, i)
+WHERE NOT d.chosen;
