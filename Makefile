@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m jobs.profile_routing $(ARGS)
+	$(PY) -m jobs.study $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -94,3 +94,27 @@ def test_train_tiny_smoke(tmp_path):
     report = json.loads((tmp_path / "m" / "train_report.json").read_text())
     assert report["target_params"] > report["draft_params"]
     assert (tmp_path / "m" / "target" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_study_end_to_end_small(tmp_path):
+    args = "--limit 3 --max-new-tokens 24 --lmax 4 --calibration-prompts 2 "
+    args += "--calibration-tokens 12 --num-cpus 2 --out study"
+    proc = _run(["jobs.study", *args.split()], cwd=tmp_path)
+    for text in ("routing profile", "Lmax sweep", "boundary slope lambda", "study done"):
+        assert text in proc.stdout, text
+    out = tmp_path / "study"
+    for path in (
+        "extract/manifest.json",
+        "calibration/costmodel.json",
+        "oracle/decisions.parquet",
+        "oracle/summary.parquet",
+        "oracle/policy.json",
+    ):
+        assert (out / path).is_file(), path
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for experiment in ("extract", "profile_routing", "calibrate", "oracle"):
+        exp = client.get_experiment_by_name(experiment)
+        assert exp is not None, experiment
+        runs = client.search_runs([exp.experiment_id])
+        assert runs and runs[0].info.status == "FINISHED", experiment

@@ -1,0 +1,162 @@
+"""The whole study on one target/draft pair (the README's main command, `make demo`):
+
+  1. extract   reference sequences from HumanEval, draft confidences, target routing, junk tails
+  2. profile   experts used per layer, growth of the expert union over consecutive tokens
+  3. calibrate timed speculative rounds -> costmodel.json
+  4. oracle    the Bellman bound per Lmax, delta space, lambda, the alpha = 0 ablation
+
+Each step is the same code as its own job (jobs.extract, jobs.calibrate, jobs.oracle) and logs
+its own MLflow run. Defaults fit 2 CPU cores in a few minutes.
+
+    python -m jobs.study                       # embedded models, HumanEval
+    python -m jobs.study --limit 32 --lmax 12 --out out/study
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from jobs import calibrate as calibrate_job
+from jobs import extract as extract_job
+from jobs import oracle as oracle_job
+from pipeline.adapters import moe_spec
+from pipeline.expert_union import experts_to_numpy
+from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_config
+from pipeline.routing_profile import RoutingProfile
+from pipeline.shards import read_table
+from pipeline.tracking import tracked_run, tracking_uri
+from pipeline.union_from_tables import rows_of
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jobs.study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL prompt file")
+    p.add_argument("--limit", type=int, default=16, help="reference sequences (16)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")
+    p.add_argument("--lmax", type=int, default=12, help="largest draft length studied (12)")
+    p.add_argument("--calibration-prompts", type=int, default=4, help="prompts timed (4)")
+    p.add_argument("--calibration-tokens", type=int, default=48, help="tokens per timed run")
+    p.add_argument("--target", default=str(DEFAULT_TARGET))
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--out", type=Path, default=Path("out/study"))
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
+    args = p.parse_args(argv)
+    for name in ("limit", "max_new_tokens", "lmax", "calibration_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.calibration_prompts < 2:
+        p.error("--calibration-prompts must be >= 2")
+    return args
+
+
+def _banner(text: str) -> None:
+    print(f"\n=== {text} ===", flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    out: Path = args.out
+    extract_dir, cal_dir, oracle_dir = out / "extract", out / "calibration", out / "oracle"
+    models = ["--target", args.target, "--draft", args.draft]
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=args.num_cpus, log_to_driver=True)
+    try:
+        _banner("1/4 extract")
+        extract_job.main(
+            [
+                "--source",
+                args.source,
+                "--limit",
+                str(args.limit),
+                "--lmax",
+                str(args.lmax),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--out",
+                str(extract_dir),
+                *models,
+            ]
+        )
+
+        _banner("2/4 routing profile of the reference tokens")
+        spec = moe_spec(load_config(args.target))
+        profile = RoutingProfile(spec)
+        tokens = read_table(extract_dir, "tokens")
+        for seq_id in sorted(set(tokens.column("seq_id").to_pylist())):
+            rows = rows_of(tokens, seq_id).sort_by("t")
+            profile.add(experts_to_numpy(rows.column("experts"), spec.num_moe_layers, spec.top_k))
+        print(profile.report())
+        with tracked_run("profile_routing", params={"extract": str(extract_dir)}) as run:
+            run.log_metrics(
+                {f"unique_experts_w{w}": v for w, v in profile.mean_unique_in_window().items()}
+            )
+            run.log_dict(profile.as_dict(), "routing_profile.json")
+
+        _banner("3/4 calibrate")
+        calibrate_job.main(
+            [
+                "--source",
+                args.source,
+                "--limit",
+                str(args.calibration_prompts),
+                "--ks",
+                f"0-{args.lmax}",
+                "--max-new-tokens",
+                str(args.calibration_tokens),
+                "--out",
+                str(cal_dir),
+                *models,
+            ]
+        )
+
+        _banner("4/4 oracle")
+        result = oracle_job.main([
+            "--extract", str(extract_dir), "--costmodel", str(cal_dir / "costmodel.json"),
+            "--target", args.target, "--out", str(oracle_dir),
+        ])["result"]  # fmt: skip
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    _banner("study summary")
+    overall = result.sweep[result.sweep["category"] == "all"].sort_values("lmax")
+    best = overall.loc[overall["speedup_bound"].idxmax()]
+    print(
+        f"bound S peaks at {best['speedup_bound']:.3f}x (Lmax {int(best['lmax'])}): mean draft "
+        f"{best['mean_draft_len']:.2f}, mean accepted {best['mean_accepted']:.2f} tokens"
+    )
+    d = result.delta
+    print(
+        f"lambda = {d['lambda_ms']:.4f} ms/token; quadrants I/II/III/IV = {d['quadrant_i']:.0f}/"
+        f"{d['quadrant_ii']:.0f}/{d['quadrant_iii']:.0f}/{d['quadrant_iv']:.0f}"
+    )
+    print(
+        f"Parquet tables: {extract_dir}/{{sequences,tokens,tails}}, {cal_dir}/rounds.parquet, "
+        f"{oracle_dir}/{{decisions,summary}}.parquet"
+    )
+    print(
+        f"plots: {cal_dir}/target_vs_experts.png, {oracle_dir}/lmax_sweep.png, "
+        f"{oracle_dir}/delta_space.png; policy: {oracle_dir}/policy.json"
+    )
+    print(f"MLflow: {tracking_uri()} (experiments extract, profile_routing, calibrate, oracle)")
+    print(f"study done in {time.perf_counter() - started:.0f}s")
+    return {"result": result}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
