@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import statsmodels.api as sm
 from scipy import stats
-from sklearn.model_selection import GroupKFold
+from sklearn.model_selection import StratifiedGroupKFold
 
 from pipeline.costmodel import CostModel
 
@@ -32,6 +32,10 @@ def _codes(groups: pd.Series) -> np.ndarray:
 
 
 def _metrics(y: np.ndarray, pred: np.ndarray) -> dict[str, float]:
+    keep = np.isfinite(pred)
+    y, pred = y[keep], pred[keep]
+    if not len(y):
+        return {"r2": float("nan"), "rmse": float("nan"), "mape": float("nan")}
     resid = y - pred
     sst = float(((y - y.mean()) ** 2).sum())
     return {
@@ -46,10 +50,12 @@ def _num(x: float) -> float | None:
     return None if x is None or not np.isfinite(x) else float(x)
 
 
-def _folds(df: pd.DataFrame) -> GroupKFold:
-    # Shuffled: generation ids enumerate (prompt, K) in order, and round-robin assignment of
-    # equal-sized groups would put each K in a fold of its own.
-    return GroupKFold(n_splits=_n_splits(df["gen_id"]), shuffle=True, random_state=0)
+def _split(df: pd.DataFrame):
+    """GroupKFold(5) by generation, stratified by m: every generation has one K, and unguided
+    assignment can put all generations of some m into one test fold (leaving no rows of that m
+    to train on) or each K into a fold of its own."""
+    splitter = StratifiedGroupKFold(n_splits=_n_splits(df["gen_id"]), shuffle=True, random_state=0)
+    return splitter.split(np.zeros(len(df)), df["m"].to_numpy(), _codes(df["gen_id"]))
 
 
 def _n_splits(groups: pd.Series, wanted: int = 5) -> int:
@@ -98,12 +104,15 @@ def fit_per_m(df: pd.DataFrame) -> tuple[dict, pd.DataFrame, list[str]]:
 
     # Out of sample: GroupKFold by generation, the same specification refit on each fold.
     oos = np.full(len(df), np.nan)
-    for train, test in _folds(df).split(X, y, groups):
+    for train, test in _split(df):
         sub = df.iloc[train]
         fold_slopes = [m for m in slope_ms if sub.loc[sub["m"] == m, "u_bar"].std() > 1e-9]
         fold_ms = sorted(int(m) for m in sub["m"].unique())
         fit = sm.OLS(y[train], _design(sub, fold_ms, fold_slopes)).fit()
-        oos[test] = _design(df.iloc[test], fold_ms, fold_slopes) @ fit.params
+        held = df.iloc[test]
+        pred_test = _design(held, fold_ms, fold_slopes) @ fit.params
+        # An m with no training rows in this fold has no coefficients: no prediction for it.
+        oos[test] = np.where(held["m"].isin(fold_ms).to_numpy(), pred_test, np.nan)
     rows = []
     for j, m in enumerate(ms):
         sel = (df["m"] == m).to_numpy()
@@ -133,9 +142,8 @@ def _ols_cv(df: pd.DataFrame, y_col: str, x_cols: list[str]) -> tuple[list[float
     """Per-fold OOS R2 and RMSE of ``y ~ 1 + x_cols`` under GroupKFold by generation."""
     y = df[y_col].to_numpy(float)
     X = sm.add_constant(df[x_cols].to_numpy(float), has_constant="add")
-    groups = _codes(df["gen_id"])
     r2s, rmses = [], []
-    for train, test in _folds(df).split(X, y, groups):
+    for train, test in _split(df):
         fit = sm.OLS(y[train], X[train]).fit()
         m = _metrics(y[test], X[test] @ fit.params)
         r2s.append(m["r2"])
@@ -176,9 +184,8 @@ def fit_linear(df: pd.DataFrame, y_col: str, x_cols: list[str]) -> dict[str, Any
     res = sm.OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": _codes(df["gen_id"])})
     r2s, rmses = _ols_cv(df, y_col, x_cols)
     names = ["const", *x_cols]
-    groups = _codes(df["gen_id"])
     oos = np.full(len(df), np.nan)
-    for train, test in _folds(df).split(X, y, groups):
+    for train, test in _split(df):
         oos[test] = X[test] @ sm.OLS(y[train], X[train]).fit().params
     ape = np.abs(y - oos) / np.abs(np.where(y == 0, np.nan, y))
     return {

@@ -81,6 +81,8 @@ def union_table_paper(
     ref = reference_unions(token_masks, lmax)
     i, k, a = _cells(n, lmax)
     union = ref[i, a]
+    if len(tail_masks) and (tail_k.max() > lmax or tail_a.max() >= lmax):
+        raise ValueError(f"paper-mode tails include cells beyond Lmax {lmax}: filter them first")
     if len(tail_masks):
         # Reduce each cell's tail tokens to one mask: sort rows by cell, OR within runs.
         cell_id = (tail_i * (lmax + 1) + tail_k) * (lmax + 1) + tail_a

@@ -114,6 +114,19 @@ def _chunks(specs: TailSpecs, max_tokens: int) -> list[np.ndarray]:
     return groups
 
 
+def _check_sliding_window(pair: ModelPair, length: int) -> None:
+    """Packed tails use one 4D mask for every layer and roll caches back by cropping; a
+    sliding-window layer (GPT-OSS) keeps only its window, so both break past it."""
+    cfg = pair.target.config
+    window = getattr(cfg, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    if sliding and window and length > window:
+        raise ValueError(
+            f"sequence of {length} positions exceeds the target's sliding window ({window}); "
+            "extraction supports sliding-window layers only within the window"
+        )
+
+
 @torch.no_grad()
 def extract_sequence(
     pair: ModelPair,
@@ -124,6 +137,7 @@ def extract_sequence(
     chunk_tokens: int = 2048,
 ) -> SequenceTables:
     """All rows for one reference sequence. Deterministic for a given (seed, seq_id)."""
+    _check_sliding_window(pair, len(ref.all_ids) + lmax)
     device = pair.device
     ids = torch.tensor([ref.all_ids], device=device)
     p0 = ref.prompt_len - 1  # absolute index of x_0

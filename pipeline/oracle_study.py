@@ -138,6 +138,11 @@ def format_study(result: StudyResult) -> str:
         f"boundary slope lambda = {d['lambda_ms']:.4f} ms per token of expected progress "
         f"({d['lambda_experts']:.3f} experts per token); written to policy.json",
     ]
+    if d["quadrant_ii"] or d["quadrant_iv"] or (d["lambda_ms"] or 0) <= 0:
+        lines.append(
+            "warning: quadrants II/IV should be empty and lambda positive; a noisy cost model "
+            "(non-monotone beta0(m)) breaks that: recalibrate with more prompts or repeats"
+        )
     ab = result.ablation
     lines += [
         "",

@@ -50,7 +50,7 @@ def exclude_token(probs: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
     """Zero each row's forbidden token and renormalise; a row with no mass left becomes
     uniform over the other tokens (the draft was certain of the token it must not emit)."""
     out = probs.detach().to(torch.float64).clone()
-    rows = torch.arange(out.shape[0])
+    rows = torch.arange(out.shape[0], device=out.device)
     out[rows, forbidden.to(out.device)] = 0.0
     mass = out.sum(dim=-1, keepdim=True)
     empty = (mass <= 0).view(-1)

@@ -18,6 +18,11 @@ from pipeline.expert_union import (
 def sequence_union_table(tokens: pa.Table, tails: pa.Table, spec: MoESpec, lmax: int) -> np.ndarray:
     """``[N, lmax, lmax + 1]`` U table of one sequence (its own rows of tokens and tails)."""
     tokens = tokens.sort_by("t")
+    # An extraction for a larger Lmax holds longer tails (and, in paper mode, cells with k >
+    # lmax) than this Lmax uses: keep only what the cells up to lmax read.
+    if tails.num_rows:
+        paper_cells = pc.fill_null(pc.less_equal(tails.column("k"), lmax), True)
+        tails = tails.filter(pc.and_(pc.less_equal(tails.column("r"), lmax), paper_cells))
     shape = (spec.num_moe_layers, spec.top_k)
     token_masks = bitmasks(experts_to_numpy(tokens.column("experts"), *shape), spec.num_experts)
     tail_masks = bitmasks(experts_to_numpy(tails.column("experts"), *shape), spec.num_experts)

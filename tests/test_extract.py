@@ -118,3 +118,14 @@ def test_extraction_is_deterministic_and_independent_of_packing(pair, ref):
     assert a.tails.column("experts").equals(b.tails.column("experts"))
     c = extract_sequence(pair, ref, LMAX, "paper", seed=6)
     assert not a.tails.column("token_id").equals(c.tails.column("token_id"))
+
+
+@pytest.mark.parametrize("mode", ["shared", "paper"])
+def test_union_table_for_a_smaller_lmax_reads_only_its_cells(pair, ref, mode):
+    from pipeline.union_from_tables import sequence_union_table
+
+    out = extract_sequence(pair, ref, LMAX, mode, seed=3)
+    full = sequence_union_table(out.tokens, out.tails, pair.spec, LMAX)
+    small = sequence_union_table(out.tokens, out.tails, pair.spec, 2)
+    assert small.shape == (ref.n_tokens, 2, 3)
+    np.testing.assert_array_equal(small, full[:, :2, :3])
