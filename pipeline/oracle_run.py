@@ -32,6 +32,7 @@ class SequenceInput:
     draft_match: np.ndarray  # [N + 1] 0/1, index 0 unused
     token_ids: np.ndarray  # [N + 1]
     token_experts: np.ndarray  # [N + 1] mean over layers of |E(t)|
+    routing: np.ndarray  # [N + 1, MoE layers, top_k] experts of x_0..x_N
     union: np.ndarray  # [N, lmax, lmax + 1]
 
 
@@ -59,6 +60,7 @@ def load_inputs(extract_dir: Path, spec: MoESpec, lmax: int) -> list[SequenceInp
                 draft_match=np.array([0.0 if m is None else float(m) for m in match]),
                 token_ids=seq_tokens.column("token_id").to_numpy(),
                 token_experts=mean_popcount(bitmasks(routing, spec.num_experts)),
+                routing=routing,
                 union=union,
             )
         )

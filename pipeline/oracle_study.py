@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 
 from pipeline.adapters import MoESpec
+from pipeline.context_analysis import class_table, expert_novelty, sequence_states
 from pipeline.costmodel import CostModel
 from pipeline.oracle_plots import plot_delta_space, plot_lmax_sweep
 from pipeline.oracle_run import SequenceInput, load_inputs, solve_all
@@ -25,6 +26,8 @@ class StudyResult:
     sweep: pd.DataFrame
     delta: dict[str, Any]
     ablation: dict[str, Any]
+    context: pd.DataFrame
+    novelty: dict[str, float]
     paths: dict[str, Path]
 
 
@@ -109,12 +112,25 @@ def run_study(
     ablation = _ablation(results, inputs, decode)
     paths["ablation"] = out / "ablation_alpha0.json"
     paths["ablation"].write_text(json.dumps(ablation, indent=2) + "\n")
+    states = pd.concat(
+        [
+            sequence_states(seq.seq_id, seq.token_ids, res["ablation"]["k_star"],
+                            seq.draft_match, seq.routing, lambda t: decode([t]))
+            for seq, res in zip(inputs, results, strict=True)
+        ]
+    )  # fmt: skip
+    context = class_table(states)
+    novelty = expert_novelty(states)
+    paths["context"] = out / "context_classes.csv"
+    context.to_csv(paths["context"], index=False)
+    paths["novelty"] = out / "context_novelty.json"
+    paths["novelty"].write_text(json.dumps(novelty, indent=2) + "\n")
     paths["sweep_csv"] = out / "lmax_sweep.csv"
     sweep.to_csv(paths["sweep_csv"], index=False)
     paths["sweep_png"] = plot_lmax_sweep(sweep, out / "lmax_sweep.png")
     lam = delta["lambda_ms"] if delta["lambda_ms"] is not None else float("nan")
     paths["delta_png"] = plot_delta_space(deltas, lam, out / "delta_space.png")
-    return StudyResult(sweep, delta, ablation, paths)
+    return StudyResult(sweep, delta, ablation, context, novelty, paths)
 
 
 def format_study(result: StudyResult) -> str:
@@ -151,6 +167,17 @@ def format_study(result: StudyResult) -> str:
         f"expert-blind policy achieves {ab['mean_speedup_alpha0_policy']:.3f}x (it believes "
         f"{ab['mean_speedup_alpha0_believed']:.3f}x)",
     ]
+    if not result.context.empty:
+        cols = ["class", "states", "share_k1", "k1_lo", "k1_hi", "share_k4", "k4_lo", "k4_hi"]
+        table = result.context[cols].to_string(index=False, float_format="{:.3f}".format)
+        title = "context classes (share of k* = 1 and k* >= 4, 95% bootstrap over sequences):"
+        lines += ["", title, table]
+        nv = result.novelty
+        lines.append(
+            f"new experts per layer: {nv['new_experts_script_change']:.2f} at script changes "
+            f"({nv['script_change_states']} states), {nv['new_experts_first_mismatch']:.2f} at "
+            f"first mismatches ({nv['first_mismatch_states']}), {nv['new_experts_all']:.2f} overall"
+        )
     for case in ab["strongest_cases"][:3]:
         lines.append(f"  {case['seq_id']} i={case['i']}: k*={case['k_star']} vs "
                      f"{case['k_star_alpha0']} blind | ...{case['context'][-40:]!r} -> "

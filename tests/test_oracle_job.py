@@ -68,6 +68,8 @@ def test_oracle_job_writes_the_study(extraction, checkpoints, tmp_path, monkeypa
     policy = json.loads((out / "policy.json").read_text())
     assert policy["lambda_ms_per_token"] > 0 and policy["lmax"] == LMAX
     assert (out / "lmax_sweep.png").is_file() and (out / "delta_space.png").is_file()
+    classes = pd.read_csv(out / "context_classes.csv")
+    assert classes["states"].sum() == len(decisions[decisions["chosen"]])
     assert moe_spec(pair.target.config).num_experts == 8
 
 
