@@ -1,0 +1,192 @@
+"""Draft policies: propose candidates with the draft, update from the outcome (one small
+interface, as transformers' candidate generators separate proposing from adapting).
+
+    ar          no draft: plain autoregressive steps through the same engine
+    fixed       a chain of K tokens
+    heuristic   transformers' schedule: K += 2 after a fully accepted chain, else K -= 1
+    confidence  extend the chain while the draft's confidence stays >= a threshold
+    tree        EAGLE-2 style: expand the top-b children of the best nodes per depth, keep the
+                top gamma nodes by path probability
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.engine import Candidates, Drafter, StepOutcome
+
+
+class Policy:
+    name = "policy"
+
+    def reset(self) -> None:
+        """Called at the start of every generation."""
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        raise NotImplementedError
+
+    def update(self, outcome: StepOutcome) -> None:
+        """Adapt from the last step (most policies do not)."""
+
+
+def draft_chain(
+    drafter: Drafter, committed: list[int], k: int, min_conf: float = 0.0
+) -> Candidates:
+    """Up to k draft tokens, sampled (or argmax when greedy); stops early once the draft's
+    confidence in its own token falls below ``min_conf`` (at least one token is drafted)."""
+    cands = Candidates()
+    probs = drafter.begin(committed)
+    for j in range(k):
+        token = drafter.sample(probs)
+        conf = float(probs[token])
+        if j > 0 and conf < min_conf:
+            break
+        cands.tokens.append(token)
+        cands.parents.append(j - 1)
+        cands.q.append(None if drafter.sampling.greedy else probs)
+        cands.confidences.append(conf)
+        if j + 1 < k:
+            probs = drafter.extend(token)
+    return cands
+
+
+class AutoregressivePolicy(Policy):
+    name = "ar"
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        return Candidates()
+
+
+@dataclass
+class FixedPolicy(Policy):
+    k: int = 4
+    name = "fixed"
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"fixed: k must be >= 1, got {self.k}")
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        return draft_chain(drafter, committed, self.k)
+
+
+@dataclass
+class HeuristicPolicy(Policy):
+    """transformers' "heuristic" schedule for num_assistant_tokens."""
+
+    start_k: int = 5
+    max_k: int = 20
+    name = "heuristic"
+
+    def reset(self) -> None:
+        self.k = self.start_k
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        return draft_chain(drafter, committed, self.k)
+
+    def update(self, outcome: StepOutcome) -> None:
+        if outcome.accepted == len(outcome.candidates):
+            self.k = min(self.max_k, self.k + 2)
+        else:
+            self.k = max(1, self.k - 1)
+
+
+@dataclass
+class ConfidencePolicy(Policy):
+    threshold: float = 0.4
+    max_k: int = 10
+    name = "confidence"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"confidence: threshold must lie in [0, 1], got {self.threshold}")
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        return draft_chain(drafter, committed, self.max_k, min_conf=self.threshold)
+
+
+@dataclass
+class TreePolicy(Policy):
+    """EAGLE-2 style dynamic tree: at each depth expand the top-``branch`` children of the
+    ``branch`` best frontier nodes (by path probability), then keep the ``gamma`` best nodes
+    overall. Nodes are chosen deterministically (top-b), so verification uses the
+    multi-candidate rule for deterministic proposals."""
+
+    depth: int = 4
+    branch: int = 2
+    gamma: int = 8
+    name = "tree"
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.branch < 1 or self.gamma < 1:
+            raise ValueError("tree: depth, branch and gamma must be >= 1")
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        tokens: list[int] = []
+        parents: list[int] = []
+        path_p: list[float] = []
+        conf: list[float] = []
+        probs = drafter.begin(committed).unsqueeze(0)
+        frontier = [-1]
+        frontier_p = [1.0]
+        for level in range(self.depth):
+            new_tokens, new_parents, new_p, new_conf = [], [], [], []
+            for row, (node, pp) in enumerate(zip(frontier, frontier_p, strict=True)):
+                top = torch.topk(probs[row], self.branch)
+                for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    new_tokens.append(token)
+                    new_parents.append(node)
+                    new_p.append(pp * value)
+                    new_conf.append(value)
+            start = len(tokens)
+            tokens += new_tokens
+            parents += new_parents
+            path_p += new_p
+            conf += new_conf
+            # The best `branch` nodes of this depth are expanded next.
+            order = sorted(range(len(new_tokens)), key=lambda j: -new_p[j])[: self.branch]
+            frontier = [start + j for j in order]
+            frontier_p = [new_p[j] for j in order]
+            if level == self.depth - 1:
+                break
+            # Every node of the level is appended (so candidate and cache indices agree);
+            # only the frontier's distributions are used.
+            expanded = drafter.expand(new_tokens, new_parents)
+            probs = expanded[order]
+        keep = sorted(range(len(tokens)), key=lambda j: -path_p[j])[: self.gamma]
+        keep_set = set(keep)
+        for j in list(keep):  # ancestors of kept nodes are kept too
+            p = parents[j]
+            while p >= 0 and p not in keep_set:
+                keep_set.add(p)
+                p = parents[p]
+        kept = sorted(keep_set)
+        remap = {old: new for new, old in enumerate(kept)}
+        return Candidates(
+            tokens=[tokens[j] for j in kept],
+            parents=[remap[parents[j]] if parents[j] >= 0 else -1 for j in kept],
+            q=[None] * len(kept),
+            confidences=[conf[j] for j in kept],
+        )
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "ar": AutoregressivePolicy,
+    "fixed": FixedPolicy,
+    "heuristic": HeuristicPolicy,
+    "confidence": ConfidencePolicy,
+    "tree": TreePolicy,
+}
+
+
+def make_policy(name: str, **knobs: Any) -> Policy:
+    """A policy by name with its knobs; unknown names or knobs raise a clear ValueError."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    try:
+        return POLICIES[name](**knobs)
+    except TypeError as exc:
+        raise ValueError(f"bad knobs for policy {name!r}: {exc}") from exc
