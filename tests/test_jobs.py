@@ -118,3 +118,12 @@ def test_study_end_to_end_small(tmp_path):
         assert exp is not None, experiment
         runs = client.search_runs([exp.experiment_id])
         assert runs and runs[0].info.status == "FINISHED", experiment
+
+
+@pytest.mark.slow
+def test_bench_online_smoke(tmp_path):
+    proc = _run(
+        ["jobs.bench_online", "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1"],
+        cwd=tmp_path,
+    )
+    assert "transformers assisted" in proc.stdout and "tree(depth=3" in proc.stdout
