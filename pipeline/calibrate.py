@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
+from pipeline.engine import SpeculativeEngine
 from pipeline.models import ModelPair
+from pipeline.policies import AutoregressivePolicy, FixedPolicy
 from pipeline.prompts import Prompt
-from pipeline.speculative import commit, propose_greedy, start, verify_greedy
 
 ROUNDS_SCHEMA = pa.schema(
     [
@@ -39,36 +40,37 @@ ROUNDS_SCHEMA = pa.schema(
 
 
 def _generation_rounds(
-    pair: ModelPair,
+    engine: SpeculativeEngine,
     prompt_ids: list[int],
     k: int,
     max_new_tokens: int,
     eos: int | None,
     repeats: int = 1,
 ) -> list[dict]:
-    state = start(pair, prompt_ids)
-    max_pos = getattr(pair.target.config, "max_position_embeddings", 0) or 0
+    """One greedy generation with a fixed chain of k (k = 0: plain steps), a row per round."""
+    policy = FixedPolicy(k) if k else AutoregressivePolicy()
+    session = engine.start(prompt_ids, policy, repeats=repeats)
+    max_pos = getattr(engine.pair.target.config, "max_position_embeddings", 0) or 0
     rows: list[dict] = []
-    while state.generated < max_new_tokens:
-        ctx_len = len(state.committed)
-        proposal = propose_greedy(pair, state, k, repeats)
-        verification = verify_greedy(pair, state, proposal.tokens, repeats)
-        commit(state, verification)
+    while len(session.generated) < max_new_tokens:
+        ctx_len = len(session.committed)
+        new = session.step()
+        rec = session.steps[-1]
         rows.append(
             {
                 "k": k,
                 "m": k + 1,
-                "t_target_ms": verification.t_ms,
-                "t_draft_ms": proposal.t_ms,
-                "u_bar": verification.u_bar,
+                "t_target_ms": rec.t_verify_ms,
+                "t_draft_ms": rec.t_draft_ms if k else 0.0,
+                "u_bar": rec.u_bar,
                 "ctx_len": ctx_len,
-                "kv_tokens": verification.kv_tokens,
-                "kv_occupancy": verification.kv_tokens / max_pos if max_pos else 0.0,
-                "accepted": verification.accepted,
+                "kv_tokens": ctx_len - 1,
+                "kv_occupancy": (ctx_len - 1) / max_pos if max_pos else 0.0,
+                "accepted": rec.accepted,
                 "round": len(rows),
             }
         )
-        if eos is not None and eos in verification.new_tokens:
+        if eos is not None and eos in new:
             break
     return rows
 
@@ -93,13 +95,14 @@ def collect_rounds(
         tok(p.text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:] for p in prompts
     ]
     eos = tok.eos_token_id
+    engine = SpeculativeEngine(pair)
     for k in ks:  # warm-up: allocator, kernels, caches; discarded
-        _generation_rounds(pair, encoded[0], k, warmup_tokens, eos)
+        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos)
     rows: list[dict] = []
     started = time.perf_counter()
     for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
         for k in ks:
-            for row in _generation_rounds(pair, ids, k, max_new_tokens, eos, repeats):
+            for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats):
                 rows.append({"gen_id": f"{prompt.prompt_id}|K{k}", "category": prompt.category,
                              **row})  # fmt: skip
         elapsed = time.perf_counter() - started

@@ -170,7 +170,12 @@ class StepOutcome:
 class DecodeSession:
     """One generation in progress: both caches, the committed tokens, the step records."""
 
-    def __init__(self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed):
+    def __init__(
+        self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed, repeats: int = 1
+    ):
+        """``repeats`` > 1 (calibration) runs every draft proposal and verification pass that
+        many times, rolling the caches back in between, and records the median times; only
+        greedy decoding, whose repeats are identical, allows it."""
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         self.pair = pair
@@ -185,7 +190,19 @@ class DecodeSession:
             pair.target(ids, past_key_values=self.target_cache, use_cache=True)
         self.drafter = Drafter(pair, sampling, self.generator)
         self.steps: list[StepRecord] = []
+        if repeats > 1 and not sampling.greedy:
+            raise ValueError("timing repeats need greedy decoding (sampling would differ)")
+        self.repeats = repeats
         policy.reset()
+
+    def _timed_repeats(self, fn, rollback):
+        times = []
+        for attempt in range(self.repeats):
+            if attempt:
+                rollback()
+            result, t_ms = timed(self.pair.device, fn)
+            times.append(t_ms)
+        return result, float(np.median(times))
 
     @torch.no_grad()
     def step(self) -> list[int]:
@@ -198,7 +215,10 @@ class DecodeSession:
             finally:
                 self.drafter.end()
 
-        cands, t_draft = timed(pair.device, propose)
+        draft_len = self.drafter.cache.get_seq_length()
+        cands, t_draft = self._timed_repeats(
+            propose, lambda: crop_to(self.drafter.cache, draft_len)
+        )
         base = len(self.committed) - 1
         ids = torch.tensor([[self.committed[-1], *cands.tokens]], device=pair.device)
         kwargs = {}
@@ -212,7 +232,9 @@ class DecodeSession:
                 out = pair.target(ids, past_key_values=self.target_cache, use_cache=True, **kwargs)
                 return out.logits[0], capture.take(1, ids.shape[1])[0]
 
-        (logits, routing), t_verify = timed(pair.device, verify)
+        (logits, routing), t_verify = self._timed_repeats(
+            verify, lambda: crop_to(self.target_cache, base)
+        )
         new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.generator)
         keep_positions(self.target_cache, base, [0] + [n + 1 for n in accepted])
         self.committed.extend(new)
@@ -233,8 +255,12 @@ class SpeculativeEngine:
     def __init__(self, pair: ModelPair):
         self.pair = pair
 
-    def start(self, prompt_ids: list[int], policy, sampling=None, seed=None) -> DecodeSession:
-        return DecodeSession(self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed)
+    def start(
+        self, prompt_ids: list[int], policy, sampling=None, seed=None, repeats: int = 1
+    ) -> DecodeSession:
+        return DecodeSession(
+            self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed, repeats
+        )
 
     @torch.no_grad()
     def generate(

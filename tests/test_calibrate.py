@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pipeline.adapters import moe_spec
-from pipeline.calibrate import ROUNDS_SCHEMA
+from pipeline.calibrate import ROUNDS_SCHEMA, _generation_rounds
+from pipeline.engine import SamplingConfig, SpeculativeEngine
 from pipeline.models import REPO_ROOT, ModelPair
+from pipeline.policies import FixedPolicy
 from pipeline.reference import greedy_continuation
-from pipeline.speculative import commit, propose_greedy, start, verify_greedy
 from tests.conftest import tiny_draft
 from tests.tinymodels import VOCAB, tiny_model
 
@@ -26,20 +27,22 @@ def pair() -> ModelPair:
                      torch.device("cpu"), torch.float32, "eager", "t", "d")  # fmt: skip
 
 
-@pytest.mark.parametrize("k", [0, 1, 3, 6])
-def test_fixed_chain_rounds_reproduce_plain_greedy(pair, k):
+def test_timed_rounds_repeat_passes_without_changing_the_output(pair):
+    engine = SpeculativeEngine(pair)
     prompt = [3, 14, 15, 92, 65]
-    expected = greedy_continuation(pair.target, prompt, 20, eos_id=None)
-    state = start(pair, prompt)
-    while state.generated < 20:
-        proposal = propose_greedy(pair, state, k, repeats=2 if k == 3 else 1)
-        verification = verify_greedy(pair, state, proposal.tokens, repeats=2 if k == 6 else 1)
-        assert verification.routing.shape == (k + 1, pair.spec.num_moe_layers, pair.spec.top_k)
-        commit(state, verification)
-        # Invariant: the target cache holds every committed token but the last.
-        assert state.target_cache.get_seq_length() == len(state.committed) - 1
-        assert state.draft_cache.get_seq_length() <= len(state.committed)
-    assert state.committed[len(prompt) : len(prompt) + 20] == expected
+    expected = greedy_continuation(pair.target, prompt, 12, eos_id=None)
+    for k in (0, 3):
+        rows = _generation_rounds(engine, prompt, k, 12, None, repeats=3)
+        assert [r["m"] for r in rows] == [k + 1] * len(rows)
+        assert all(r["t_target_ms"] > 0 for r in rows)
+        assert sum(r["accepted"] + 1 for r in rows) >= 12
+    session = engine.start(prompt, FixedPolicy(3), repeats=3)
+    while len(session.generated) < 12:
+        session.step()
+        assert session.target_cache.get_seq_length() == len(session.committed) - 1
+    assert session.generated[:12] == expected
+    with pytest.raises(ValueError, match="need greedy"):
+        engine.start(prompt, FixedPolicy(2), SamplingConfig(temperature=1.0), repeats=2)
 
 
 @pytest.mark.slow
