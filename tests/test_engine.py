@@ -151,3 +151,28 @@ def test_policy_errors_are_specific():
         make_policy("fixed", depth=3)
     with pytest.raises(ValueError, match="k must be >= 1"):
         make_policy("fixed", k=0)
+
+
+def test_stop_strings_max_tokens_and_eos_on_the_embedded_models():
+    from pipeline.models import load_pair
+
+    pair = load_pair()
+    engine = SpeculativeEngine(pair)
+    ids = pair.tokenizer("def add(a, b):\n    return", add_special_tokens=False)["input_ids"]
+    plain = engine.generate(ids, make_policy("fixed", k=3), max_new_tokens=40)
+    assert len(plain.tokens) <= 40 and plain.finish_reason in ("length", "eos")
+    assert plain.text == pair.tokenizer.decode(plain.tokens)
+    stop = plain.text[5:8]  # a string the greedy continuation is known to contain
+    gen = engine.generate(ids, make_policy("tree"), max_new_tokens=40, stop=[stop])
+    assert gen.finish_reason == "stop"
+    assert stop not in gen.text and plain.text.startswith(gen.text)
+    short = engine.generate(ids, make_policy("heuristic"), max_new_tokens=3)
+    assert len(short.tokens) == 3 and short.tokens == plain.tokens[:3]
+    # EOS: make the EOS id the first greedy token, and generation ends right there.
+    first = plain.tokens[0]
+    pair.tokenizer.eos_token_id, saved = first, pair.tokenizer.eos_token_id
+    try:
+        eos = engine.generate(ids, make_policy("fixed", k=2), max_new_tokens=10)
+    finally:
+        pair.tokenizer.eos_token_id = saved
+    assert eos.finish_reason == "eos" and eos.tokens == [first]
