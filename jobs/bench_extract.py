@@ -10,35 +10,29 @@ each mode (they must agree: both give every cell a correctly distributed tail), 
 from __future__ import annotations
 
 import argparse
-import sys
 
+from jobs.cli import add_model_args, parser, run
 from pipeline.extract_bench import bench_mode
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+from pipeline.models import load_pair
 from pipeline.prompts import load_prompts
 from pipeline.reference import build_references
 from pipeline.tracking import tracked_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m jobs.bench_extract",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = parser("jobs.bench_extract", __doc__)
+    add_model_args(p, experts=False)
     p.add_argument("--source", default="humaneval")
     p.add_argument("--limit", type=int, default=8, help="sequences (8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")
     p.add_argument("--lmax", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", default=str(DEFAULT_TARGET))
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    p.add_argument("--device", default="auto")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    pair = load_pair(args.target, args.draft, args.device)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype)
     refs = build_references(
         load_prompts(args.source, args.limit), pair.target, pair.tokenizer, args.max_new_tokens
     )
@@ -81,8 +75,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

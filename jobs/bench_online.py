@@ -9,30 +9,27 @@ verification pass, and the share of wall time spent in target verification.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+from jobs.cli import add_model_args, parser, run
+from pipeline.models import load_pair
 from pipeline.online_bench import DEFAULT_POLICIES, bench_assisted, bench_policy
 from pipeline.prompts import load_prompts
 from pipeline.tracking import tracked_run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_online", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = parser("jobs.bench_online", __doc__)
+    add_model_args(p, experts=False)
     p.add_argument("--source", default="humaneval")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
-    p.add_argument("--target", default=str(DEFAULT_TARGET))
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    p.add_argument("--device", default="auto")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list:
     args = parse_args(argv)
-    pair = load_pair(args.target, args.draft, args.device)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype)
     tok = pair.tokenizer
     prompts = [tok(p.text, add_special_tokens=False)["input_ids"][-512:]
                for p in load_prompts(args.source, args.limit)]  # fmt: skip
@@ -61,8 +58,4 @@ def main(argv: list[str] | None = None) -> list:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from jobs.cli import add_model_args, parser, run
 from pipeline.calibrate import collect_rounds
 from pipeline.calibration_plots import plot_draft_vs_k, plot_target_vs_experts
 from pipeline.calibration_report import fit_metrics, format_report
 from pipeline.costfit import fit_cost_model
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS, load_pair
+from pipeline.models import load_pair
 from pipeline.prompts import load_prompts
 from pipeline.shards import write_table_atomic
 from pipeline.sql import run_query
@@ -47,11 +47,8 @@ def parse_ks(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m jobs.calibrate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = parser("jobs.calibrate", __doc__)
+    add_model_args(p)
     p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL prompt file")
     p.add_argument("--limit", type=int, default=8, help="prompts (8)")
     p.add_argument("--ks", type=parse_ks, default=parse_ks("0-10"), help="budgets K (0-10)")
@@ -63,11 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="time each pass this many times, keep the median (default: 1 on GPU, 3 on CPU)",
     )
-    p.add_argument("--target", default=str(DEFAULT_TARGET))
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=Path("out/calibration"))
     args = p.parse_args(argv)
     if args.limit < 2:
@@ -143,8 +135,4 @@ def _device_name(device) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

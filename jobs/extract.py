@@ -12,28 +12,22 @@ Resumable: a rerun with the same parameters skips the shards already written.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import ray
 
+from jobs.cli import add_model_args, parser, run
 from pipeline.extract_pipeline import ExtractConfig, run_extraction
 from pipeline.junk_tails import TAIL_MODES
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
 from pipeline.prompts import load_prompts
 from pipeline.tracking import tracked_run, tracking_uri
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m jobs.extract",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = parser("jobs.extract", __doc__)
+    add_model_args(p)
     p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL prompt file")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir or id")
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft checkpoint dir or id")
     p.add_argument("--out", type=Path, default=Path("out/extract"), help="output directory")
     p.add_argument("--lmax", type=int, default=8, help="largest draft length to price (8)")
     p.add_argument("--tail-mode", choices=TAIL_MODES, default="shared", help="junk-tail sampling")
@@ -44,9 +38,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--actors", type=int, default=None, help="actor pool size (default: auto)")
     p.add_argument("--cpus-per-actor", type=float, default=None, help="CPU actors' num_cpus")
     p.add_argument("--threads", type=int, default=0, help="torch threads per CPU actor")
-    p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument(
         "--address",
         default=None,
@@ -134,8 +125,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -12,12 +12,12 @@ ablation_alpha0.json under --out. Sequences are solved in parallel Ray tasks.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import ray
 
 from jobs.calibrate import parse_ks
+from jobs.cli import run
 from pipeline.adapters import moe_spec
 from pipeline.costmodel import CostModel
 from pipeline.models import DEFAULT_TARGET, load_config, load_tokenizer
@@ -95,8 +95,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

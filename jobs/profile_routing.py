@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS, load_pair
+from jobs.cli import add_model_args, parser, run
+from pipeline.models import load_pair
 from pipeline.prompts import load_prompts
 from pipeline.reference import build_references
 from pipeline.routing_profile import RoutingProfile, reference_routing
@@ -26,22 +26,14 @@ from pipeline.tracking import tracked_run, tracking_uri
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m jobs.profile_routing",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = parser("jobs.profile_routing", __doc__)
+    add_model_args(p)
     p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL file")
     p.add_argument("--limit", type=int, default=24, help="number of prompts (default 24)")
-    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir or id")
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft checkpoint dir or id")
     p.add_argument("--max-new-tokens", type=int, default=96, help="reference length budget")
     p.add_argument(
         "--use-given", action="store_true", help="use the source's references when present"
     )
-    p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 ...")
     p.add_argument("--max-window", type=int, default=8, help="largest window (default 8)")
     p.add_argument("--out", type=Path, default=Path("out/profile"), help="output directory")
     args = p.parse_args(argv)
@@ -93,8 +85,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as exc:  # our loaders raise ValueError subclasses with context
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

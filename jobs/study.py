@@ -15,7 +15,6 @@ its own MLflow run. Defaults fit 2 CPU cores in a few minutes.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import ray
 from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
+from jobs.cli import run
 from pipeline.adapters import moe_spec
 from pipeline.expert_union import experts_to_numpy
 from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_config
@@ -165,8 +165,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

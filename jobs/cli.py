@@ -1,0 +1,36 @@
+"""What every job's command line shares: model arguments and clean failure on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
+
+
+def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=f"python -m {prog}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_model_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
+    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir or id")
+    p.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft checkpoint dir or id")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 ...")
+    if experts:
+        p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
+
+
+def run(main: Callable[[], object]) -> None:
+    """Run a job's main; bad input (our loaders raise ValueError subclasses with context, OS
+    errors name the path) ends with one line on stderr and exit code 2, not a traceback."""
+    try:
+        main()
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
