@@ -150,7 +150,7 @@ def format_study(result: StudyResult) -> str:
         "",
         f"delta space: {d['alternatives']:.0f} rejected alternatives; quadrants I "
         f"{d['quadrant_i']:.0f}, II {d['quadrant_ii']:.0f}, III {d['quadrant_iii']:.0f}, "
-        f"IV {d['quadrant_iv']:.0f}",
+        f"IV {d['quadrant_iv']:.0f} (and {d['flat']:.0f} with no change in progress)",
         f"boundary slope lambda = {d['lambda_ms']:.4f} ms per token of expected progress "
         f"({d['lambda_experts']:.3f} experts per token); written to policy.json",
     ]

@@ -16,10 +16,14 @@ SELECT
     d.e_accept - b.e_accept     AS d_accept,
     d.e_cost_ms - b.e_cost_ms   AS d_cost_ms,
     d.e_experts - b.e_experts   AS d_experts,
+    -- I: more progress for more cost (rejected as too risky); III: less progress for less
+    -- cost (rejected as too cautious); II and IV would be dominated choices. With exact-greedy
+    -- acceptance a longer chain past the first mismatch adds no progress: 'flat'.
     CASE
+        WHEN abs(d.e_accept - b.e_accept) < 1e-12 THEN 'flat'
         WHEN d.e_accept - b.e_accept > 0 AND d.e_cost_ms - b.e_cost_ms >= 0 THEN 'I'
         WHEN d.e_accept - b.e_accept > 0 THEN 'II'
-        WHEN d.e_accept - b.e_accept <= 0 AND d.e_cost_ms - b.e_cost_ms < 0 THEN 'III'
+        WHEN d.e_cost_ms - b.e_cost_ms < 0 THEN 'III'
         ELSE 'IV'
     END                         AS quadrant
 FROM decisions AS d

@@ -7,6 +7,7 @@ SELECT
     count(*) FILTER (WHERE quadrant = 'II')                AS quadrant_ii,
     count(*) FILTER (WHERE quadrant = 'III')               AS quadrant_iii,
     count(*) FILTER (WHERE quadrant = 'IV')                AS quadrant_iv,
+    count(*) FILTER (WHERE quadrant = 'flat')              AS flat,
     quantile_cont(d_cost_ms / d_accept, 0.01) FILTER (WHERE d_accept > 0) AS lambda_ms,
     quantile_cont(d_experts / d_accept, 0.01) FILTER (WHERE d_accept > 0) AS lambda_experts,
     min(d_cost_ms / d_accept) FILTER (WHERE d_accept > 0)  AS min_slope_ms,
