@@ -1,0 +1,79 @@
+"""The oracle-driven early-exit rule (DESIGN section 3, "Online marginal rule").
+
+While drafting a chain, with cumulative acceptance probability P_j and the next token's draft
+confidence q, adding the token gains dE[a] = P_j q expected tokens and costs one draft step
+plus the growth of the verification time from m to m + 1 positions with the experts the token
+is predicted to add to the pass's union (the expert buffer). The chain stops as soon as
+dE[Cost] / dE[a] exceeds lambda, the boundary slope the oracle found in delta space
+(policy.json). k = 0 (a plain step) is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.costmodel import CostModel
+from pipeline.engine import Candidates
+from pipeline.expert_predictor import TokenExpertPredictor
+from pipeline.policies import Policy
+
+
+@dataclass
+class MarginalStep:
+    token: int
+    d_accept: float
+    d_cost_ms: float
+    new_experts: float  # mean over layers of experts the token adds to the buffer
+
+    @property
+    def ratio(self) -> float:
+        return self.d_cost_ms / self.d_accept if self.d_accept > 0 else float("inf")
+
+
+@dataclass
+class MarginalPolicy(Policy):
+    cost: CostModel
+    lam: float
+    predictor: TokenExpertPredictor
+    max_k: int = 12
+    name = "marginal"
+    trace: list[MarginalStep] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.lam <= 0:
+            raise ValueError(f"marginal: lambda must be > 0, got {self.lam}")
+        self.max_k = min(self.max_k, self.cost.max_m - 1)
+
+    def propose(self, drafter, committed: list[int]) -> Candidates:
+        cands = Candidates()
+        self.trace = []
+        ctx = len(committed)
+        # The pass verifies the last committed token too: its experts seed the buffer.
+        buffer = [set(row.tolist()) for row in self.predictor.predict(committed[-1])]
+        u = float(np.mean([len(b) for b in buffer]))
+        p_all, m = 1.0, 1
+        probs = drafter.begin(committed)
+        for j in range(self.max_k):
+            token = drafter.sample(probs)
+            q = float(probs[token])
+            predicted = self.predictor.predict(token)
+            grown = [b | set(row.tolist()) for b, row in zip(buffer, predicted, strict=True)]
+            u_next = float(np.mean([len(b) for b in grown]))
+            d_draft = self.cost.t_draft(j + 1) - self.cost.t_draft(j)  # a (+ b for the first)
+            d_cost = d_draft + (
+                self.cost.t_target(m + 1, u_next, ctx) - self.cost.t_target(m, u, ctx)
+            )
+            step = MarginalStep(token, p_all * q, d_cost, u_next - u)
+            self.trace.append(step)
+            if step.ratio > self.lam:
+                break
+            cands.tokens.append(token)
+            cands.parents.append(j - 1)
+            cands.q.append(None if drafter.sampling.greedy else probs)
+            cands.confidences.append(q)
+            p_all, m, buffer, u = p_all * q, m + 1, grown, u_next
+            if j + 1 < self.max_k:
+                probs = drafter.extend(token)
+        return cands

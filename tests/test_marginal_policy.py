@@ -1,0 +1,95 @@
+"""The oracle-driven marginal rule stops where dE[Cost]/dE[a] first exceeds lambda, and the
+engine stays lossless with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.costmodel import CostModel
+from pipeline.engine import SamplingConfig, SpeculativeEngine
+from pipeline.expert_predictor import TokenExpertPredictor
+from pipeline.marginal_policy import MarginalPolicy
+from pipeline.reference import greedy_continuation
+from tests.test_engine import perturbed_pair
+
+
+class ScriptedDrafter:
+    """Stands in for the draft model: fixed next-token distributions along one chain."""
+
+    sampling = SamplingConfig()
+
+    def __init__(self, rows: list[list[float]]):
+        self.rows = [torch.tensor(r) for r in rows]
+        self.calls = 0
+
+    def begin(self, committed):
+        self.calls = 0
+        return self.rows[0]
+
+    def extend(self, token):
+        self.calls += 1
+        return self.rows[self.calls]
+
+    def sample(self, probs):
+        return int(probs.argmax())
+
+
+def _setup():
+    # One MoE layer, top-2. Root token 9 uses {0, 1}; token 0 reuses them, token 1 adds {2, 3},
+    # token 2 uses {0, 2} (already in the buffer by then).
+    predictor = TokenExpertPredictor(
+        {9: np.array([[0, 1]]), 0: np.array([[0, 1]]), 1: np.array([[2, 3]]),
+         2: np.array([[0, 2]])}, np.array([[0, 1]]),
+    )  # fmt: skip
+    cost = CostModel({m: 5.0 for m in range(1, 6)}, {m: 1.0 for m in range(1, 6)}, 0.0, 0.5, 0.0)
+    drafter = ScriptedDrafter([[0.9, 0.05, 0.03, 0.02], [0.1, 0.8, 0.05, 0.05],
+                               [0.2, 0.2, 0.5, 0.1]])  # fmt: skip
+    return predictor, cost, drafter
+
+
+def test_marginal_rule_stops_exactly_where_the_ratio_exceeds_lambda():
+    predictor, cost, drafter = _setup()
+    # Step ratios by hand: token 0: dA 0.9, dCost 0.5 + 0 experts -> 0.556; token 1: dA 0.72,
+    # dCost 0.5 + 2 new experts x 1.0 -> 3.47; token 2: dA 0.36, dCost 0.5 -> 1.39.
+    policy = MarginalPolicy(cost, lam=3.0, predictor=predictor, max_k=3)
+    cands = policy.propose(drafter, [7, 9])
+    assert cands.tokens == [0]
+    assert [round(s.ratio, 3) for s in policy.trace] == [0.556, 3.472]
+    policy = MarginalPolicy(cost, lam=4.0, predictor=predictor, max_k=3)
+    cands = policy.propose(drafter, [7, 9])
+    assert cands.tokens == [0, 1, 2]
+    assert [round(s.ratio, 3) for s in policy.trace] == [0.556, 3.472, 1.389]
+    assert [s.new_experts for s in policy.trace] == [0.0, 2.0, 0.0]
+    policy = MarginalPolicy(cost, lam=0.5, predictor=predictor, max_k=3)
+    assert policy.propose(drafter, [7, 9]).tokens == []  # a plain step
+    with pytest.raises(ValueError, match="lambda must be > 0"):
+        MarginalPolicy(cost, lam=0.0, predictor=predictor)
+
+
+def test_marginal_policy_is_lossless_under_greedy_decoding():
+    pair = perturbed_pair("qwen3_moe", noise=0.3)
+    rng = np.random.default_rng(0)
+    samples = [(int(t), np.sort(rng.choice(8, (2, 2), replace=True), axis=1)) for t in range(256)]
+    predictor = TokenExpertPredictor.fit(samples, num_experts=8, top_k=2)
+    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 10)}, {m: 0.3 for m in range(1, 10)},
+                     0.001, 0.4, 0.1)  # fmt: skip
+    engine = SpeculativeEngine(pair)
+    drafted = 0
+    for prompt in ([5, 9, 2], [100, 3, 7, 7], [1, 2, 3, 4, 5, 6]):
+        gen = engine.generate(prompt, MarginalPolicy(cost, lam=200.0, predictor=predictor),
+                              max_new_tokens=16, stop_at_eos=False)  # fmt: skip
+        assert gen.tokens == greedy_continuation(pair.target, prompt, 16, eos_id=None)
+        drafted += sum(s.drafted for s in gen.steps)
+    assert drafted > 0
+
+
+def test_predictor_fit_and_overlap():
+    samples = [(1, np.array([[0, 1], [2, 3]])), (1, np.array([[0, 2], [2, 3]])),
+               (2, np.array([[4, 5], [6, 7]]))]  # fmt: skip
+    predictor = TokenExpertPredictor.fit(samples, num_experts=8, top_k=2)
+    assert predictor.predict(1)[1].tolist() == [2, 3]
+    assert predictor.predict(1)[0].tolist()[0] == 0
+    assert predictor.overlap_accuracy([(2, np.array([[4, 5], [6, 7]]))]) == 1.0
+    assert predictor.predict(99).shape == (2, 2)  # unseen token: the layer's common experts
