@@ -125,52 +125,70 @@ class TreePolicy(Policy):
             raise ValueError("tree: depth, branch and gamma must be >= 1")
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
-        tokens: list[int] = []
-        parents: list[int] = []
-        path_p: list[float] = []
-        conf: list[float] = []
-        probs = drafter.begin(committed).unsqueeze(0)
-        frontier = [-1]
-        frontier_p = [1.0]
-        for level in range(self.depth):
-            new_tokens, new_parents, new_p, new_conf = [], [], [], []
-            for row, (node, pp) in enumerate(zip(frontier, frontier_p, strict=True)):
-                top = torch.topk(probs[row], self.branch)
-                for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    new_tokens.append(token)
-                    new_parents.append(node)
-                    new_p.append(pp * value)
-                    new_conf.append(value)
-            start = len(tokens)
-            tokens += new_tokens
-            parents += new_parents
-            path_p += new_p
-            conf += new_conf
-            # The best `branch` nodes of this depth are expanded next.
-            order = sorted(range(len(new_tokens)), key=lambda j: -new_p[j])[: self.branch]
-            frontier = [start + j for j in order]
-            frontier_p = [new_p[j] for j in order]
-            if level == self.depth - 1:
-                break
-            # Every node of the level is appended (so candidate and cache indices agree);
-            # only the frontier's distributions are used.
-            expanded = drafter.expand(new_tokens, new_parents)
-            probs = expanded[order]
-        keep = sorted(range(len(tokens)), key=lambda j: -path_p[j])[: self.gamma]
-        keep_set = set(keep)
-        for j in list(keep):  # ancestors of kept nodes are kept too
-            p = parents[j]
-            while p >= 0 and p not in keep_set:
-                keep_set.add(p)
-                p = parents[p]
-        kept = sorted(keep_set)
+        tree = build_tree(drafter, committed, self.depth, self.branch)
+        keep = sorted(range(len(tree.tokens)), key=lambda j: -tree.path_p[j])[: self.gamma]
+        return tree.subset(keep)
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]  # -1: child of the last committed token
+    path_p: list[float]  # cumulative draft probability from the root
+    conf: list[float]  # the draft's probability of the node given its parent
+
+    def path(self, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def subset(self, nodes: list[int]) -> Candidates:
+        """Candidates made of ``nodes`` and all their ancestors (verification is
+        prefix-closed), in tree order."""
+        keep = set()
+        for j in nodes:
+            keep.update(self.path(j))
+        kept = sorted(keep)
         remap = {old: new for new, old in enumerate(kept)}
         return Candidates(
-            tokens=[tokens[j] for j in kept],
-            parents=[remap[parents[j]] if parents[j] >= 0 else -1 for j in kept],
+            tokens=[self.tokens[j] for j in kept],
+            parents=[remap[self.parents[j]] if self.parents[j] >= 0 else -1 for j in kept],
             q=[None] * len(kept),
-            confidences=[conf[j] for j in kept],
+            confidences=[self.conf[j] for j in kept],
         )
+
+
+def build_tree(drafter: Drafter, committed: list[int], depth: int, branch: int) -> DraftTree:
+    """EAGLE-2 style expansion: at each depth the top-``branch`` children of the ``branch``
+    best nodes so far (by path probability); one packed draft forward per depth."""
+    tree = DraftTree([], [], [], [])
+    probs = drafter.begin(committed).unsqueeze(0)
+    frontier, frontier_p = [-1], [1.0]
+    for level in range(depth):
+        new_tokens, new_parents, new_p, new_conf = [], [], [], []
+        for row, (node, pp) in enumerate(zip(frontier, frontier_p, strict=True)):
+            top = torch.topk(probs[row], branch)
+            for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                new_tokens.append(token)
+                new_parents.append(node)
+                new_p.append(pp * value)
+                new_conf.append(value)
+        start = len(tree.tokens)
+        tree.tokens += new_tokens
+        tree.parents += new_parents
+        tree.path_p += new_p
+        tree.conf += new_conf
+        order = sorted(range(len(new_tokens)), key=lambda j: -new_p[j])[:branch]
+        frontier = [start + j for j in order]
+        frontier_p = [new_p[j] for j in order]
+        if level == depth - 1:
+            break
+        # Every node of the level is appended (so candidate and cache indices agree); only
+        # the frontier's distributions are used.
+        probs = drafter.expand(new_tokens, new_parents)[order]
+    return tree
 
 
 POLICIES: dict[str, type[Policy]] = {
