@@ -45,12 +45,11 @@ def select_nodes(
     selected: list[int] = []
     remaining = set(range(len(path_p)))
     while len(selected) < gamma and remaining:
-
-        def score(j: int) -> float:
+        scores = {}
+        for j in sorted(remaining):
             cost = _size(_minus(footprints[j], buf)) if use_buffer else _size(footprints[j])
-            return path_p[j] / (cost + eps)
-
-        best = max(sorted(remaining), key=score)
+            scores[j] = path_p[j] / (cost + eps)
+        best = max(scores, key=scores.__getitem__)
         selected.append(best)
         remaining.discard(best)
         if use_buffer:
