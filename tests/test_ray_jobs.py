@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -66,9 +67,18 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
     env = _env(tmp_path)
     port, dash = _free_port(), _free_port()
     head = f"--head --port {port} --dashboard-port {dash} --num-cpus 2 --include-dashboard true"
-    _ray(["start", *head.split(), "--disable-usage-stats"], env)
+    # --block keeps `ray start` in the foreground: stopping its process group stops this head
+    # alone, not other Ray clusters on the machine (as `ray stop` would).
+    head_proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", *head.split(), "--disable-usage-stats", "--block"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
     address = f"http://127.0.0.1:{dash}"
     try:
+        deadline = time.time() + 120
+        while _ray(["job", "list", "--address", address], env, check=False).returncode:
+            assert time.time() < deadline and head_proc.poll() is None, "the head did not start"
+            time.sleep(2)
         db = tmp_path / "mlflow.db"
         runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
         extract_dir, oracle_dir = tmp_path / "extract", tmp_path / "oracle"
@@ -94,4 +104,8 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
             assert exp is not None, name
             assert client.search_runs([exp.experiment_id])[0].info.status == "FINISHED"
     finally:
-        _ray(["stop", "--force"], env, check=False)
+        os.killpg(head_proc.pid, signal.SIGTERM)
+        try:
+            head_proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head_proc.pid, signal.SIGKILL)
