@@ -34,3 +34,17 @@ def run(main: Callable[[], object]) -> None:
     except (ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to the job's cluster under `ray job submit` (RAY_ADDRESS is set there), to
+    ``address`` when given ("auto": a cluster started with `ray start` here), else start a
+    fresh local cluster. Plain ray.init() would also reuse whatever `ray start` recorded in
+    /tmp/ray, and hang if that cluster is gone."""
+    import os
+
+    import ray
+
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=target, num_cpus=num_cpus if target == "local" else None,
+             log_to_driver=True)  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ray
 
-from jobs.cli import add_model_args, parser, run
+from jobs.cli import add_model_args, init_ray, parser, run
 from pipeline.extract_pipeline import ExtractConfig, run_extraction
 from pipeline.junk_tails import TAIL_MODES
 from pipeline.prompts import load_prompts
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--address",
         default=None,
-        help="Ray address (default: the job's cluster "
+        help="Ray address, e.g. auto (default: the job's cluster "
         "under `ray job submit`, else a new local one)",
     )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=args.address, num_cpus=args.num_cpus, log_to_driver=True)
+        init_ray(args.address, args.num_cpus)
     try:
         with tracked_run(
             "extract",

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from jobs.calibrate import parse_ks
-from jobs.cli import run
+from jobs.cli import init_ray, run
 from pipeline.adapters import moe_spec
 from pipeline.costmodel import CostModel
 from pipeline.models import DEFAULT_TARGET, load_config, load_tokenizer
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(args.target)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=args.num_cpus, log_to_driver=True)
+        init_ray(num_cpus=args.num_cpus)
     try:
         params = {**{k: str(v) for k, v in vars(args).items()}, "lmax_sweep": str(lmaxes)}
         with tracked_run("oracle", params=params) as run:

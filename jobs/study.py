@@ -23,7 +23,7 @@ import ray
 from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
-from jobs.cli import run
+from jobs.cli import init_ray, run
 from pipeline.adapters import moe_spec
 from pipeline.expert_union import experts_to_numpy
 from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_config
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = ["--target", args.target, "--draft", args.draft]
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=args.num_cpus, log_to_driver=True)
+        init_ray(num_cpus=args.num_cpus)
     try:
         _banner("1/4 extract")
         extract_job.main(

@@ -109,3 +109,7 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
             head_proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head_proc.pid, signal.SIGKILL)
+        # `ray start` records its address for later clients; drop the record of this head.
+        record = Path("/tmp/ray/ray_current_cluster")
+        if record.exists() and record.read_text().strip().endswith(f":{port}"):
+            record.unlink()
