@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from pipeline.engine import Candidates, Drafter
 from pipeline.expert_predictor import TokenExpertPredictor
 from pipeline.policies import Policy, build_tree
@@ -93,7 +91,3 @@ class EcoSpecPolicy(Policy):
 class EcoSpecGlobalPolicy(EcoSpecPolicy):
     use_buffer: bool = False
     name = "ecospec-global"
-
-
-def mean_unique(footprint: Footprint) -> float:
-    return float(np.mean([len(layer) for layer in footprint]))
