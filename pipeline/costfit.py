@@ -199,15 +199,31 @@ def fit_linear(df: pd.DataFrame, y_col: str, x_cols: list[str]) -> dict[str, Any
     }
 
 
+def drop_interference(df: pd.DataFrame, z: float = 8.0) -> tuple[pd.DataFrame, int]:
+    """Rounds whose target or draft time lies more than ``z`` robust standard deviations
+    (1.4826 MAD) above the median of their m: a timer that caught another process's burst or a
+    GC pause, not a property of the round. Least squares would chase them."""
+    keep = pd.Series(True, index=df.index)
+    for col in ("t_target_ms", "t_draft_ms"):
+        grouped = df.groupby("m")[col]
+        med = grouped.transform("median")
+        mad = grouped.transform(lambda x: (x - x.median()).abs().median()) * 1.4826
+        keep &= ~(df[col] > med + z * mad.clip(lower=1e-3 * med.abs() + 1e-9))
+    return df[keep].reset_index(drop=True), int((~keep).sum())
+
+
 def fit_cost_model(rounds: pd.DataFrame, meta: dict[str, Any] | None = None) -> CostFit:
     """All fits; the returned CostModel carries the per-m coefficients and the draft line."""
     required = {"gen_id", "k", "m", "t_target_ms", "t_draft_ms", "u_bar", "ctx_len"}
     missing = required - set(rounds.columns)
     if missing:
         raise ValueError(f"rounds table lacks columns: {', '.join(sorted(missing))}")
-    df = rounds.reset_index(drop=True)
+    df, dropped = drop_interference(rounds.reset_index(drop=True))
     _n_splits(df["gen_id"])  # clustered errors and CV both need several generations
     coef, per_m, notes = fit_per_m(df)
+    if dropped:
+        notes.append(f"{dropped} of {len(rounds)} rounds dropped as timing interference "
+                     "(> 8 robust SD above their m's median)")  # fmt: skip
     spec_rounds = df[df["k"] > 0]
     pooled = fit_linear(spec_rounds, "t_target_ms", ["u_bar", "ctx_len", "k"])
     draft = fit_linear(spec_rounds, "t_draft_ms", ["k"])
@@ -238,6 +254,7 @@ def fit_cost_model(rounds: pd.DataFrame, meta: dict[str, Any] | None = None) -> 
                 "draft_oos_mape_pct": draft["oos_mape"],
                 "draft_oos_medape_pct": draft["oos_medape"],
                 "rounds": len(df),
+                "rounds_dropped_as_interference": dropped,
                 "generations": int(df["gen_id"].nunique()),
                 "notes": notes,
             },

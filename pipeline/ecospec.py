@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.engine import Candidates, Drafter
-from pipeline.expert_predictor import TokenExpertPredictor
+from pipeline.expert_predictor import ExpertPredictor
 from pipeline.policies import Policy, build_tree
 
 Footprint = list[set[int]]  # experts per MoE layer
@@ -55,18 +55,22 @@ def select_nodes(
     return selected
 
 
-def path_footprints(tokens: list[int], parents: list[int], predictor) -> list[Footprint]:
-    """E_traj of every node: its parent's footprint plus its own token's predicted experts."""
+def path_footprints(
+    tokens: list[int], parents: list[int], predictor: ExpertPredictor, contexts=None
+) -> list[Footprint]:
+    """E_traj of every node: its parent's footprint plus its own token's predicted experts
+    (one batched predictor call for the whole tree)."""
+    predicted = predictor.predict_many(tokens, contexts) if tokens else []
     out: list[Footprint] = []
-    for token, parent in zip(tokens, parents, strict=True):
-        own = [set(row.tolist()) for row in predictor.predict(token)]
+    for token_experts, parent in zip(predicted, parents, strict=True):
+        own = [set(row.tolist()) for row in token_experts]
         out.append([a | b for a, b in zip(out[parent], own, strict=True)] if parent >= 0 else own)
     return out
 
 
 @dataclass
 class EcoSpecPolicy(Policy):
-    predictor: TokenExpertPredictor
+    predictor: ExpertPredictor
     depth: int = 3
     branch: int = 2
     gamma: int = 4
@@ -80,8 +84,9 @@ class EcoSpecPolicy(Policy):
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         tree = build_tree(drafter, committed, self.depth, self.branch)
-        footprints = path_footprints(tree.tokens, tree.parents, self.predictor)
-        buffer = [set(row.tolist()) for row in self.predictor.predict(committed[-1])]
+        footprints = path_footprints(tree.tokens, tree.parents, self.predictor, tree.contexts)
+        root = self.predictor.predict(committed[-1], drafter.root_context)
+        buffer = [set(row.tolist()) for row in root]
         chosen = select_nodes(tree.path_p, footprints, self.gamma, buffer, self.eps,
                               self.use_buffer)  # fmt: skip
         return tree.subset(chosen)

@@ -80,7 +80,13 @@ class Candidates:
 
 class Drafter:
     """The draft model's side of a step: catch up on committed tokens, extend a chain, expand a
-    tree level; rolled back to the committed prefix after every step."""
+    tree level; rolled back to the committed prefix after every step.
+
+    It also keeps the draft's last-layer hidden state of every row it just computed
+    (``hidden``): the state that produced a drafted token's distribution is the cheap, already
+    paid-for context an expert predictor reads (pipeline.expert_predictor). ``root_context`` is
+    that state for the last committed token (the one the verification pass starts with).
+    """
 
     def __init__(self, pair: ModelPair, sampling: SamplingConfig, generator: torch.Generator):
         self.pair = pair
@@ -89,17 +95,40 @@ class Drafter:
         self.cache = DynamicCache(config=pair.draft.config)
         self.committed_len = 0
         self._tree_parents: list[int] = []  # nodes appended to the cache this step
+        self.hidden: torch.Tensor | None = None  # [rows, hidden] of the last forward
+        self.root_context: torch.Tensor | None = None
+        self._last_committed_hidden: torch.Tensor | None = None
 
     def _forward(self, ids: list[int], **kw) -> torch.Tensor:
         t = torch.tensor([ids], device=self.pair.device)
-        return self.pair.draft(t, past_key_values=self.cache, use_cache=True, **kw).logits[0]
+        out = self.pair.draft(
+            t, past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kw
+        )
+        self.hidden = out.hidden_states[-1][0]
+        return out.logits[0]
+
+    def prefill(self, ids: list[int]) -> None:
+        """Feed the prompt (all but its last token) before the first step, as the target's
+        prefill is, so that no step's draft time includes it."""
+        if ids:
+            self._forward(ids)
+            self._last_committed_hidden = self.hidden[-1]
+            self.committed_len = len(ids)  # what end() rolls back to, even with no draft
 
     def begin(self, committed: list[int]) -> torch.Tensor:
         """Feed committed tokens the cache lacks; the distribution after the last one."""
         pending = committed[self.cache.get_seq_length() :]
         self.committed_len = len(committed)
         self._tree_parents = []
-        return self.sampling.probs(self._forward(pending)[-1])
+        logits = self._forward(pending)
+        # The state after the second-to-last committed token: in this forward when it fed two
+        # or more tokens, else the last committed state of the previous step.
+        if len(pending) >= 2:
+            self.root_context = self.hidden[-2]
+        else:
+            self.root_context = self._last_committed_hidden
+        self._last_committed_hidden = self.hidden[-1]
+        return self.sampling.probs(logits[-1])
 
     def extend(self, token: int) -> torch.Tensor:
         """Chain: append ``token``; the distribution after it."""
@@ -185,10 +214,12 @@ class DecodeSession:
         self.committed = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.target_cache = DynamicCache(config=pair.target.config)
-        if len(self.committed) > 1:
-            ids = torch.tensor([self.committed[:-1]], device=pair.device)
-            pair.target(ids, past_key_values=self.target_cache, use_cache=True)
         self.drafter = Drafter(pair, sampling, self.generator)
+        with torch.no_grad():
+            if len(self.committed) > 1:
+                ids = torch.tensor([self.committed[:-1]], device=pair.device)
+                pair.target(ids, past_key_values=self.target_cache, use_cache=True)
+            self.drafter.prefill(self.committed[:-1])
         self.steps: list[StepRecord] = []
         if repeats > 1 and not sampling.greedy:
             raise ValueError("timing repeats need greedy decoding (sampling would differ)")

@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.costmodel import CostModel
 from pipeline.engine import Candidates
-from pipeline.expert_predictor import TokenExpertPredictor
+from pipeline.expert_predictor import ExpertPredictor
 from pipeline.policies import Policy
 
 
@@ -36,7 +36,7 @@ class MarginalStep:
 class MarginalPolicy(Policy):
     cost: CostModel
     lam: float
-    predictor: TokenExpertPredictor
+    predictor: ExpertPredictor
     max_k: int = 12
     name = "marginal"
     trace: list[MarginalStep] = field(default_factory=list)
@@ -51,14 +51,15 @@ class MarginalPolicy(Policy):
         self.trace = []
         ctx = len(committed)
         # The pass verifies the last committed token too: its experts seed the buffer.
-        buffer = [set(row.tolist()) for row in self.predictor.predict(committed[-1])]
+        root = self.predictor.predict(committed[-1], drafter.root_context)
+        buffer = [set(row.tolist()) for row in root]
         u = float(np.mean([len(b) for b in buffer]))
         p_all, m = 1.0, 1
         probs = drafter.begin(committed)
         for j in range(self.max_k):
             token = drafter.sample(probs)
             q = float(probs[token])
-            predicted = self.predictor.predict(token)
+            predicted = self.predictor.predict(token, drafter.hidden[-1])
             grown = [b | set(row.tolist()) for b, row in zip(buffer, predicted, strict=True)]
             u_next = float(np.mean([len(b) for b in grown]))
             d_draft = self.cost.t_draft(j + 1) - self.cost.t_draft(j)  # a (+ b for the first)

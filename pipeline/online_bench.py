@@ -22,6 +22,14 @@ DEFAULT_POLICIES: list[tuple[str, dict]] = [
     ("confidence", {"threshold": 0.5, "max_k": 8}),
     ("tree", {"depth": 3, "branch": 2, "gamma": 6}),
 ]
+# EcoSpec's operating point (3 draft steps, top-2, gamma 4) next to `tree` at the same gamma,
+# and our marginal rule (lambda from the oracle's policy.json).
+COST_AWARE_POLICIES: list[tuple[str, dict]] = [
+    ("tree", {"depth": 3, "branch": 2, "gamma": 4}),
+    ("ecospec", {"depth": 3, "branch": 2, "gamma": 4}),
+    ("ecospec-global", {"depth": 3, "branch": 2, "gamma": 4}),
+    ("marginal", {}),
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class BenchRow:
     mean_accepted: float
     mean_unique_experts: float
     verify_share: float
+    outputs: list[list[int]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -44,26 +53,32 @@ def _label(name: str, knobs: dict) -> str:
 
 
 def bench_policy(pair: ModelPair, prompts: list[list[int]], name: str, knobs: dict,
-                 temperature: float, max_new_tokens: int) -> BenchRow:  # fmt: skip
+                 temperature: float, max_new_tokens: int, artifacts=None,
+                 label: str | None = None) -> BenchRow:  # fmt: skip
+    """``name`` is a policy name, or a callable giving the policy for prompt j."""
     engine = SpeculativeEngine(pair)
     sampling = SamplingConfig(temperature=temperature)
     tokens = 0
     steps = []
+    outputs = []
     started = time.perf_counter()
     for seed, ids in enumerate(prompts):
-        gen = engine.generate(ids, make_policy(name, **knobs), max_new_tokens, sampling, seed=seed,
+        policy = name(seed) if callable(name) else make_policy(name, artifacts, **knobs)
+        gen = engine.generate(ids, policy, max_new_tokens, sampling, seed=seed,
                               stop_at_eos=False)  # fmt: skip
         tokens += len(gen.tokens)
         steps.extend(gen.steps)
+        outputs.append(gen.tokens)
     seconds = time.perf_counter() - started
     return BenchRow(
-        label=_label(name, knobs),
+        label=label or _label(name, knobs),
         temperature=temperature,
         tokens=tokens,
         seconds=seconds,
         mean_accepted=float(np.mean([s.accepted for s in steps])),
         mean_unique_experts=float(np.mean([s.u_bar for s in steps])),
         verify_share=sum(s.t_verify_ms for s in steps) / 1e3 / seconds,
+        outputs=outputs,
     )
 
 

@@ -38,9 +38,14 @@ class SequenceInput:
 
 def load_inputs(extract_dir: Path, spec: MoESpec, lmax: int) -> list[SequenceInput]:
     """Per-sequence oracle inputs from the extraction tables (Lmax at most the extraction's)."""
-    sequences = read_table(extract_dir, "sequences")
-    tokens = read_table(extract_dir, "tokens")
-    tails = read_table(extract_dir, "tails")
+    return inputs_from_tables(read_table(extract_dir, "sequences"),
+                              read_table(extract_dir, "tokens"), read_table(extract_dir, "tails"),
+                              spec, lmax)  # fmt: skip
+
+
+def inputs_from_tables(
+    sequences: pa.Table, tokens: pa.Table, tails: pa.Table, spec: MoESpec, lmax: int
+) -> list[SequenceInput]:
     out = []
     for row in sequences.to_pylist():
         seq_tokens = tokens.filter(pc.equal(tokens.column("seq_id"), row["seq_id"])).sort_by("t")

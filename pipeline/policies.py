@@ -11,7 +11,7 @@ interface, as transformers' candidate generators separate proposing from adaptin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -136,6 +136,8 @@ class DraftTree:
     parents: list[int]  # -1: child of the last committed token
     path_p: list[float]  # cumulative draft probability from the root
     conf: list[float]  # the draft's probability of the node given its parent
+    # The draft hidden state each node was proposed from (its parent's), for expert predictors.
+    contexts: list[torch.Tensor | None] = field(default_factory=list)
 
     def path(self, node: int) -> list[int]:
         out = []
@@ -165,6 +167,7 @@ def build_tree(drafter: Drafter, committed: list[int], depth: int, branch: int) 
     best nodes so far (by path probability); one packed draft forward per depth."""
     tree = DraftTree([], [], [], [])
     probs = drafter.begin(committed).unsqueeze(0)
+    frontier_ctx = drafter.hidden[-1:]
     frontier, frontier_p = [-1], [1.0]
     for level in range(depth):
         new_tokens, new_parents, new_p, new_conf = [], [], [], []
@@ -175,6 +178,7 @@ def build_tree(drafter: Drafter, committed: list[int], depth: int, branch: int) 
                 new_parents.append(node)
                 new_p.append(pp * value)
                 new_conf.append(value)
+                tree.contexts.append(frontier_ctx[row])
         start = len(tree.tokens)
         tree.tokens += new_tokens
         tree.parents += new_parents
@@ -188,6 +192,7 @@ def build_tree(drafter: Drafter, committed: list[int], depth: int, branch: int) 
         # Every node of the level is appended (so candidate and cache indices agree); only
         # the frontier's distributions are used.
         probs = drafter.expand(new_tokens, new_parents)[order]
+        frontier_ctx = drafter.hidden[order]
     return tree
 
 
@@ -200,11 +205,23 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, **knobs: Any) -> Policy:
-    """A policy by name with its knobs; unknown names or knobs raise a clear ValueError."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+# Cost-aware policies (pipeline.cost_aware) read the expert predictor, the cost model and the
+# oracle's lambda; they are built through the same factory.
+COST_AWARE_NAMES = ("ecospec", "ecospec-global", "marginal")
+POLICY_NAMES = (*POLICIES, *COST_AWARE_NAMES)
+
+
+def make_policy(name: str, artifacts: Any = None, /, **knobs: Any) -> Policy:
+    """A policy by name with its knobs; unknown names or knobs raise a clear ValueError.
+    ``artifacts`` (pipeline.policy_artifacts.PolicyArtifacts) serve the cost-aware policies;
+    by default they are loaded from beside the embedded models."""
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     try:
+        if name in COST_AWARE_NAMES:
+            from pipeline.cost_aware import build_cost_aware
+
+            return build_cost_aware(name, knobs, artifacts)
         return POLICIES[name](**knobs)
     except TypeError as exc:
         raise ValueError(f"bad knobs for policy {name!r}: {exc}") from exc

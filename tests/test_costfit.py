@@ -46,6 +46,17 @@ def synthetic_rounds(seed: int = 0, generations: int = 40) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def test_interference_spikes_are_dropped_before_the_fit():
+    rounds = synthetic_rounds()
+    spikes = rounds.sample(40, random_state=0).index
+    rounds.loc[spikes, "t_target_ms"] += 500.0  # another process stole the CPU
+    fit = fit_cost_model(rounds)
+    assert fit.model.meta["fit"]["rounds_dropped_as_interference"] == 40
+    assert any("interference" in note for note in fit.notes)
+    for m in TRUE_BETA0:
+        assert fit.model.beta0[m] == pytest.approx(TRUE_BETA0[m], abs=0.05), m
+
+
 def test_fit_recovers_known_coefficients(tmp_path):
     fit = fit_cost_model(synthetic_rounds(), meta={"device": "synthetic"})
     model = fit.model

@@ -126,4 +126,29 @@ def test_bench_online_smoke(tmp_path):
         ["jobs.bench_online", "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1"],
         cwd=tmp_path,
     )
-    assert "transformers assisted" in proc.stdout and "tree(depth=3" in proc.stdout
+    for text in ("transformers assisted", "tree(depth=3", "ecospec(depth=3", "ecospec-global",
+                 "marginal", "oracle-replay (k*)", "of bound", "oracle bound S at T=0",
+                 "oracle bound S at T=1", "oracle replay, prompt 0"):  # fmt: skip
+        assert text in proc.stdout, text
+
+
+@pytest.mark.slow
+def test_train_predictor_job_end_to_end(tmp_path):
+    _run(["jobs.extract", "--limit", "3", "--lmax", "1", "--max-new-tokens", "16", "--num-cpus",
+          "2", "--out", "traces"], cwd=tmp_path)  # fmt: skip
+    proc = _run(["jobs.train_predictor", "--extract", "traces", "--epochs", "2", "--out", "pred"],
+                cwd=tmp_path)  # fmt: skip
+    assert "held-out top-4 overlap accuracy" in proc.stdout and "x a draft step" in proc.stdout
+    report = json.loads((tmp_path / "pred" / "train_report.json").read_text())
+    assert 0 <= report["held_out_topk_overlap"] <= 1 and report["cost_ratio"] > 0
+    assert (tmp_path / "pred" / "predictor.safetensors").is_file()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("train_predictor").experiment_id])
+    assert runs[0].info.status == "FINISHED"
+    assert runs[0].data.metrics["held_out_topk_overlap"] == report["held_out_topk_overlap"]
+
+
+def test_train_predictor_job_reports_a_missing_extraction(tmp_path):
+    proc = _run(["jobs.train_predictor", "--extract", "nowhere"], tmp_path, check=False)
+    assert proc.returncode == 2 and "holds no extraction" in proc.stderr
+    assert "Traceback" not in proc.stderr

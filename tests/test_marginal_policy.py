@@ -19,6 +19,8 @@ class ScriptedDrafter:
     """Stands in for the draft model: fixed next-token distributions along one chain."""
 
     sampling = SamplingConfig()
+    root_context = None
+    hidden = torch.zeros(1, 4)  # the lookup-table predictor ignores contexts
 
     def __init__(self, rows: list[list[float]]):
         self.rows = [torch.tensor(r) for r in rows]
