@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.costmodel import CostModel
-from pipeline.engine import Candidates
+from pipeline.engine import Candidates, StepOutcome
 from pipeline.expert_predictor import ExpertPredictor
 from pipeline.policies import Policy
 
@@ -32,33 +32,73 @@ class MarginalStep:
         return self.d_cost_ms / self.d_accept if self.d_accept > 0 else float("inf")
 
 
+class AcceptanceCalibrator:
+    """P(accepted | draft confidence q), learned online from the policy's own verified drafts.
+
+    The rule's dE[a] = P_j q treats the draft's confidence as the acceptance probability. Under
+    greedy verification a token is accepted when it is the target's argmax, which happens far
+    more often than a small draft's spread-out confidence says (and under sampling the rate is
+    sum(min(p, q)), not q). Each bin of q keeps a Beta posterior shrunk (``prior`` pseudo-draws)
+    towards the pooled acceptance rate of all bins, itself shrunk towards q: with no evidence
+    this is exactly the DESIGN rule, and a bin the rule stopped drafting into (so never sees
+    verified) borrows the pooled rate instead of staying stuck at its raw confidence.
+    """
+
+    def __init__(self, bins: int = 10, prior: float = 4.0) -> None:
+        self.bins, self.prior = bins, prior
+        self.hits = np.zeros(bins)
+        self.trials = np.zeros(bins)
+
+    def _bin(self, q: float) -> int:
+        return min(int(q * self.bins), self.bins - 1)
+
+    def __call__(self, q: float) -> float:
+        b = self._bin(q)
+        pooled = (self.hits.sum() + self.prior * q) / (self.trials.sum() + self.prior)
+        return float((self.hits[b] + self.prior * pooled) / (self.trials[b] + self.prior))
+
+    def observe(self, q: float, accepted: bool) -> None:
+        b = self._bin(q)
+        self.trials[b] += 1
+        self.hits[b] += accepted
+
+
 @dataclass
 class MarginalPolicy(Policy):
     cost: CostModel
     lam: float
     predictor: ExpertPredictor
     max_k: int = 12
+    calibrate: bool = False  # True: learn P(accept | q) online instead of using q itself
     name = "marginal"
     trace: list[MarginalStep] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.lam <= 0:
             raise ValueError(f"marginal: lambda must be > 0, got {self.lam}")
+        if self.max_k < 1:
+            raise ValueError(f"marginal: max_k must be >= 1, got {self.max_k}")
         self.max_k = min(self.max_k, self.cost.max_m - 1)
+        # Kept across generations: what it learns about the draft carries over.
+        self.acceptance = AcceptanceCalibrator()
+
+    def accept_probability(self, q: float) -> float:
+        return self.acceptance(q) if self.calibrate else q
 
     def propose(self, drafter, committed: list[int]) -> Candidates:
         cands = Candidates()
         self.trace = []
         ctx = len(committed)
+        probs = drafter.begin(committed)
         # The pass verifies the last committed token too: its experts seed the buffer.
         root = self.predictor.predict(committed[-1], drafter.root_context)
         buffer = [set(row.tolist()) for row in root]
         u = float(np.mean([len(b) for b in buffer]))
         p_all, m = 1.0, 1
-        probs = drafter.begin(committed)
         for j in range(self.max_k):
             token = drafter.sample(probs)
             q = float(probs[token])
+            accept = self.accept_probability(q)
             predicted = self.predictor.predict(token, drafter.hidden[-1])
             grown = [b | set(row.tolist()) for b, row in zip(buffer, predicted, strict=True)]
             u_next = float(np.mean([len(b) for b in grown]))
@@ -66,7 +106,7 @@ class MarginalPolicy(Policy):
             d_cost = d_draft + (
                 self.cost.t_target(m + 1, u_next, ctx) - self.cost.t_target(m, u, ctx)
             )
-            step = MarginalStep(token, p_all * q, d_cost, u_next - u)
+            step = MarginalStep(token, p_all * accept, d_cost, u_next - u)
             self.trace.append(step)
             if step.ratio > self.lam:
                 break
@@ -74,7 +114,14 @@ class MarginalPolicy(Policy):
             cands.parents.append(j - 1)
             cands.q.append(None if drafter.sampling.greedy else probs)
             cands.confidences.append(q)
-            p_all, m, buffer, u = p_all * q, m + 1, grown, u_next
+            p_all, m, buffer, u = p_all * accept, m + 1, grown, u_next
             if j + 1 < self.max_k:
                 probs = drafter.extend(token)
         return cands
+
+    def update(self, outcome: StepOutcome) -> None:
+        # A chain's first `accepted` tokens were accepted and the next one (if any) rejected;
+        # later ones were never judged.
+        confidences = outcome.candidates.confidences
+        for j, q in enumerate(confidences[: outcome.accepted + 1]):
+            self.acceptance.observe(q, j < outcome.accepted)

@@ -29,6 +29,7 @@ COST_AWARE_POLICIES: list[tuple[str, dict]] = [
     ("ecospec", {"depth": 3, "branch": 2, "gamma": 4}),
     ("ecospec-global", {"depth": 3, "branch": 2, "gamma": 4}),
     ("marginal", {}),
+    ("marginal", {"calibrate": True}),
 ]
 
 

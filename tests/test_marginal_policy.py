@@ -95,3 +95,26 @@ def test_predictor_fit_and_overlap():
     assert predictor.predict(1)[0].tolist()[0] == 0
     assert predictor.overlap_accuracy([(2, np.array([[4, 5], [6, 7]]))]) == 1.0
     assert predictor.predict(99).shape == (2, 2)  # unseen token: the layer's common experts
+
+
+def test_acceptance_calibrator_starts_at_q_and_learns_from_verified_drafts():
+    from pipeline.engine import Candidates, StepOutcome
+    from pipeline.marginal_policy import AcceptanceCalibrator
+
+    cal = AcceptanceCalibrator(bins=10, prior=4.0)
+    assert cal(0.05) == pytest.approx(0.05) and cal(0.93) == pytest.approx(0.93)
+    for _ in range(40):
+        cal.observe(0.05, True)  # low confidence, yet accepted (greedy argmax matches)
+    assert cal(0.05) > 0.9
+    # A bin with no evidence borrows the pooled rate instead of its raw confidence.
+    assert cal(0.45) > 0.8
+
+    predictor, cost, drafter = _setup()
+    policy = MarginalPolicy(cost, lam=4.0, predictor=predictor, max_k=3, calibrate=True)
+    cands = Candidates([0, 1, 2], [-1, 0, 1], [None] * 3, [0.9, 0.8, 0.5])
+    record = None
+    policy.update(StepOutcome(cands, 1, record))  # token 0 accepted, token 1 rejected
+    assert policy.acceptance.trials.sum() == 2 and policy.acceptance.hits.sum() == 1
+    assert policy.acceptance.trials[9] == 1 and policy.acceptance.hits[9] == 1
+    assert policy.acceptance.trials[8] == 1 and policy.acceptance.hits[8] == 0
+    assert MarginalPolicy(cost, lam=4.0, predictor=predictor).accept_probability(0.3) == 0.3
