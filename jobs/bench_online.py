@@ -101,12 +101,14 @@ def main(argv: list[str] | None = None) -> list:
             rows.append(bench_policy(pair, prompts, replay_policy, {}, temp, args.max_new_tokens,
                                      label="oracle-replay (k*)"))  # fmt: skip
             for j, b in sorted(by_prompt.items())[:2]:
-                rep = replay(pair, b, prompts[j])
+                rep = replay(pair, b, prompts[j], artifacts.cost)
                 same = sum(x == y for x, y in zip(rep.accepted, rep.oracle_accepted, strict=True))
                 replay_errors.append(
                     f"prompt {j}: {len(rep.states)} steps, accepted = oracle's a in {same}; "
                     f"measured {sum(rep.measured_ms):.1f} ms vs modelled "
-                    f"{sum(rep.modelled_ms):.1f} ms ({rep.relative_error:+.1%})"
+                    f"{sum(rep.modelled_ms):.1f} ms ({rep.relative_error:+.1%}; "
+                    f"{rep.relative_error_online_u:+.1%} against the same model priced with the "
+                    "experts the passes really used)"
                 )
     ar = {r.temperature: r.tokens_per_s for r in rows if r.label == "ar"}
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens on {pair.device}; "

@@ -116,6 +116,9 @@ class ReplayReport:
     accepted: list[int] = field(default_factory=list)
     oracle_accepted: list[int] = field(default_factory=list)  # a the oracle's P(a|k) puts 1 on
     modelled_ms: list[float] = field(default_factory=list)  # Cost(i, k, a) of the oracle
+    # The same cost model with the experts the pass really used (the oracle's U comes from
+    # sampled junk tails; online, the rejected tokens are the draft's argmax ones).
+    modelled_online_u_ms: list[float] = field(default_factory=list)
     measured_ms: list[float] = field(default_factory=list)  # t_draft + t_verify of the step
     output: list[int] = field(default_factory=list)
 
@@ -123,10 +126,15 @@ class ReplayReport:
     def relative_error(self) -> float:
         return sum(self.measured_ms) / sum(self.modelled_ms) - 1.0
 
+    @property
+    def relative_error_online_u(self) -> float:
+        return sum(self.measured_ms) / sum(self.modelled_online_u_ms) - 1.0
 
-def replay(pair: ModelPair, bound: SequenceBound, prompt: list[int],
+
+def replay(pair: ModelPair, bound: SequenceBound, prompt: list[int], cost: CostModel,
            repeats: int = 1) -> ReplayReport:  # fmt: skip
-    """Decode greedily with the oracle's k* along ``bound``'s (greedy) sequence."""
+    """Decode greedily with the oracle's k* along ``bound``'s (greedy) sequence; ``cost`` is
+    the model the bound was priced with."""
     sol, n = bound.solution, len(bound.solution.k_star)
     policy = ReplayPolicy(sol.k_star, len(prompt))
     session: DecodeSession = SpeculativeEngine(pair).start(prompt, policy, repeats=repeats)
@@ -143,6 +151,9 @@ def replay(pair: ModelPair, bound: SequenceBound, prompt: list[int],
         report.accepted.append(a)
         report.oracle_accepted.append(int(np.argmax(probs[i, k - 1])))
         report.modelled_ms.append(float(bound.cost[i, k - 1, a]))
+        report.modelled_online_u_ms.append(
+            cost.t_draft(k) + cost.t_target(k + 1, step.u_bar, bound.seq.prompt_len + i)
+        )
         report.measured_ms.append(step.t_draft_ms + step.t_verify_ms)
     report.output = session.generated[:n]
     return report

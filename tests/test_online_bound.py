@@ -25,7 +25,7 @@ def test_replaying_k_star_reproduces_the_oracle_path_and_cost(family):
     assert bound.speedup > 0 and bound.lmax == 6
     steps_with_drafts = 0
     for j, seq_bound in enumerate(bound.sequences):
-        rep = replay(pair, seq_bound, prompts[j])
+        rep = replay(pair, seq_bound, prompts[j], COST)
         assert rep.output == outputs[j]
         assert rep.accepted == rep.oracle_accepted
         # The visited states are exactly those the oracle's visitation reaches (probability 1).
@@ -33,7 +33,8 @@ def test_replaying_k_star_reproduces_the_oracle_path_and_cost(family):
         assert rep.states == [i for i in range(len(visit)) if visit[i] > 0.5]
         assert np.isclose(sum(rep.modelled_ms), seq_bound.dp0_ms)
         steps_with_drafts += sum(a > 0 for a in rep.accepted)
-        assert len(rep.measured_ms) == len(rep.states)
+        assert len(rep.measured_ms) == len(rep.states) == len(rep.modelled_online_u_ms)
+        assert all(ms > 0 for ms in rep.modelled_online_u_ms)
     assert steps_with_drafts > 0
 
 
