@@ -29,9 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from pipeline.engine import SamplingConfig, SpeculativeEngine
+from pipeline.engine import Generation, SamplingConfig, SpeculativeEngine
 from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
-from serving.decode import Completion, IncrementalGeneration, speculation_stats
+from serving.decode import speculation_stats
 from serving.schema import (
     CompletionRequest,
     RequestError,
@@ -157,7 +157,7 @@ class SpecboundServer:
             )
         result = None
         async for item in self._decode(job):
-            if isinstance(item, Completion):
+            if isinstance(item, Generation):
                 result = item
         assert result is not None
         return JSONResponse(completion_body(
@@ -177,8 +177,8 @@ class SpecboundServer:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return Job(req, ids, policy, name, knobs, seed)
 
-    async def _decode(self, job: Job) -> AsyncIterator[str | Completion]:
-        """Run the job on the decoding thread; yields text deltas, then the Completion. If the
+    async def _decode(self, job: Job) -> AsyncIterator[str | Generation]:
+        """Run the job on the decoding thread; yields text deltas, then the Generation. If the
         consumer goes away (client disconnect), the generation stops at the next step."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -191,8 +191,8 @@ class SpecboundServer:
         def work() -> None:
             try:
                 with self._lock:
-                    gen = IncrementalGeneration(
-                        self.engine, job.prompt_ids, job.policy, req.max_tokens,
+                    gen = self.engine.stream(
+                        job.prompt_ids, job.policy, req.max_tokens,
                         SamplingConfig(req.temperature, req.top_p), job.seed, req.stops,
                     )  # fmt: skip
                     for delta in gen.deltas(cancel.is_set):
@@ -214,7 +214,7 @@ class SpecboundServer:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if isinstance(item, Completion):
+                if isinstance(item, Generation):
                     return
         finally:
             cancel.set()
@@ -223,7 +223,7 @@ class SpecboundServer:
         model = self.args.model_name
         try:
             async for item in self._decode(job):
-                if isinstance(item, Completion):
+                if isinstance(item, Generation):
                     yield sse(completion_body(
                         cid, created, model, "", item.finish_reason, chunk=True,
                         usage=usage(len(job.prompt_ids), len(item.tokens)),

@@ -21,7 +21,6 @@ from pipeline.engine import SamplingConfig, SpeculativeEngine
 from pipeline.models import REPO_ROOT, load_pair
 from pipeline.policies import make_policy
 from pipeline.prompts import load_prompts
-from serving.decode import IncrementalGeneration
 
 APP_NAME = "specbound-test"
 MAX_TOKENS_LIMIT = 256
@@ -99,9 +98,7 @@ def test_incremental_decoder_equals_generate(pair, policy, knobs, temperature, s
     for text in [*PROMPTS, load_prompts("humaneval", 1)[0].text]:
         ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
         ref = engine.generate(ids, make_policy(policy, **knobs), 24, sampling, seed=5, stop=stop)
-        gen = IncrementalGeneration(
-            engine, ids, make_policy(policy, **knobs), 24, sampling, 5, stop
-        )
+        gen = engine.stream(ids, make_policy(policy, **knobs), 24, sampling, 5, stop)
         deltas = list(gen.deltas())
         assert "".join(deltas) == gen.result.text == ref.text
         assert gen.result.tokens == ref.tokens
