@@ -133,8 +133,9 @@ class LearnedExpertPredictor:
         for j in range(n):
             ctx = contexts[j] if contexts is not None else None
             # No context (a one-token prompt): zeros, which training also sees for x_0.
-            rows.append(torch.zeros(self.context_dim) if ctx is None else ctx.float().cpu())
-        return torch.stack(rows).to(self.device)
+            rows.append(torch.zeros(self.context_dim, device=self.device) if ctx is None
+                        else ctx.to(self.device, torch.float32))  # fmt: skip
+        return torch.stack(rows)
 
     @torch.no_grad()
     def predict_many(
