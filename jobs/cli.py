@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
+from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
 
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -48,3 +49,36 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     target = address or os.environ.get("RAY_ADDRESS") or "local"
     ray.init(address=target, num_cpus=num_cpus if target == "local" else None,
              log_to_driver=True)  # fmt: skip
+
+
+@contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[None]:
+    """Ray for the length of a job: an existing connection is used as it is; otherwise one is
+    made with init_ray() and shut down at the end, whatever happens."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    init_ray(address, num_cpus)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def parse_ks(text: str) -> list[int]:
+    """A set of non-negative integers: '0-10' or '1,2,4,8' or '0-3,6' (budgets K, Lmax)."""
+    ks: set[int] = set()
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                ks.update(range(lo, hi + 1))
+            elif part.strip():
+                ks.add(int(part))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad budget list {text!r}: {exc}") from exc
+    if not ks or min(ks) < 0:
+        raise argparse.ArgumentTypeError(f"budgets must be a non-empty set of K >= 0: {text!r}")
+    return sorted(ks)

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import ray
-
-from jobs.cli import add_model_args, init_ray, parser, run
-from pipeline.extract_pipeline import ExtractConfig, run_extraction
-from pipeline.junk_tails import TAIL_MODES
-from pipeline.prompts import load_prompts
+from jobs.cli import add_model_args, parser, ray_session, run
+from pipeline.data.prompts import load_prompts
+from pipeline.extract.junk_tails import TAIL_MODES
+from pipeline.extract.ray_pipeline import ExtractConfig, run_extraction
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -72,46 +70,42 @@ def main(argv: list[str] | None = None) -> dict:
         experts_implementation=args.experts_implementation,
         threads=args.threads,
     )
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        init_ray(args.address, args.num_cpus)
-    try:
-        with tracked_run(
+    with (
+        ray_session(args.address, args.num_cpus),
+        tracked_run(
             "extract",
             params={**config.manifest(args.source, args.limit, args.shard_size), "out": config.out},
-        ) as run:
-            result = run_extraction(
-                config,
-                prompts,
-                args.source,
-                args.limit,
-                shard_size=args.shard_size,
-                actors=args.actors,
-                cpus_per_actor=args.cpus_per_actor,
-                overwrite=args.overwrite,
-            )
-            stats = result["stats"]
-            seconds = max(stats.seconds, 1e-9)
-            run.log_metrics(
-                {
-                    "sequences": stats.sequences,
-                    "reference_tokens": stats.reference_tokens,
-                    "tail_tokens": stats.tail_tokens,
-                    "tails": stats.tails,
-                    "shards_done": result["shards_done"],
-                    "shards_skipped": result["shards_skipped"],
-                    "nodes": len(result["nodes"]),
-                    "reference_tokens_per_s": stats.reference_tokens / seconds,
-                    "target_forwards_per_reference_token": stats.target_token_forwards
-                    / max(1, stats.reference_tokens),
-                    "seconds": stats.seconds,
-                }
-            )
-            run.log_params({"output_path": config.out})
-            run_id = run.run_id
-    finally:
-        if started_ray:
-            ray.shutdown()
+        ) as run,
+    ):
+        result = run_extraction(
+            config,
+            prompts,
+            args.source,
+            args.limit,
+            shard_size=args.shard_size,
+            actors=args.actors,
+            cpus_per_actor=args.cpus_per_actor,
+            overwrite=args.overwrite,
+        )
+        stats = result["stats"]
+        seconds = max(stats.seconds, 1e-9)
+        run.log_metrics(
+            {
+                "sequences": stats.sequences,
+                "reference_tokens": stats.reference_tokens,
+                "tail_tokens": stats.tail_tokens,
+                "tails": stats.tails,
+                "shards_done": result["shards_done"],
+                "shards_skipped": result["shards_skipped"],
+                "nodes": len(result["nodes"]),
+                "reference_tokens_per_s": stats.reference_tokens / seconds,
+                "target_forwards_per_reference_token": stats.target_token_forwards
+                / max(1, stats.reference_tokens),
+                "seconds": stats.seconds,
+            }
+        )
+        run.log_params({"output_path": config.out})
+        run_id = run.run_id
     print(
         f"\nextracted {stats.sequences} sequences ({stats.reference_tokens:,} reference tokens, "
         f"{stats.tail_tokens:,} tail tokens) in {stats.seconds:.0f}s on {len(result['nodes'])} "

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import ray
-
-from jobs.calibrate import parse_ks
-from jobs.cli import init_ray, run
-from pipeline.adapters import moe_spec
-from pipeline.costmodel import CostModel
-from pipeline.models import DEFAULT_TARGET, load_config, load_tokenizer
-from pipeline.oracle_run import ACCEPTANCE_MODES, extraction_lmax
-from pipeline.oracle_study import format_study, run_study
+from jobs.cli import parse_ks, ray_session, run
+from pipeline.cost.model import CostModel
+from pipeline.models.adapters import moe_spec
+from pipeline.models.loading import DEFAULT_TARGET, load_config, load_tokenizer
+from pipeline.oracle.fanout import ACCEPTANCE_MODES, extraction_lmax
+from pipeline.oracle.study import format_study, run_study
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -61,13 +58,12 @@ def main(argv: list[str] | None = None) -> dict:
     if max(lmaxes) > extracted or min(lmaxes) < 1:
         raise ValueError(f"Lmax sweep {lmaxes} must lie in 1..{extracted} (the extraction's Lmax)")
     decisions_lmax = args.decisions_lmax or max(lmaxes)
-    model = CostModel.load(args.costmodel)
+    model = CostModel.load(
+        args.costmodel, range(1, max(lmaxes) + 2), f"the oracle at Lmax {max(lmaxes)}"
+    )
     spec = moe_spec(load_config(args.target))
     tokenizer = load_tokenizer(args.target)
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        init_ray(num_cpus=args.num_cpus)
-    try:
+    with ray_session(num_cpus=args.num_cpus):
         params = {**{k: str(v) for k, v in vars(args).items()}, "lmax_sweep": str(lmaxes)}
         with tracked_run("oracle", params=params) as run:
             result = run_study(
@@ -84,9 +80,6 @@ def main(argv: list[str] | None = None) -> dict:
             for path in result.paths.values():
                 run.log_artifact(str(path))
             run_id = run.run_id
-    finally:
-        if started_ray:
-            ray.shutdown()
     print()
     print(format_study(result))
     print(f"\nwrote {args.out}/ (decisions, summary, policy.json, plots); MLflow run {run_id} at "

@@ -1,4 +1,4 @@
-"""Routing profile of a MoE target on reference text (the main job until the oracle lands).
+"""Routing profile of a MoE target on reference text.
 
 Loads the target and draft (default: the embedded models under models/), builds reference
 sequences from a prompt source (the target's greedy continuation, or the source's own
@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from jobs.cli import add_model_args, parser, run
-from pipeline.models import load_pair
-from pipeline.prompts import load_prompts
-from pipeline.reference import build_references
-from pipeline.routing_profile import RoutingProfile, reference_routing
+from pipeline.data.prompts import load_prompts
+from pipeline.data.references import build_references
+from pipeline.extract.routing_profile import profile_references
+from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -52,15 +52,10 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     prompts = load_prompts(args.source, args.limit)
-    profile = RoutingProfile(pair.spec, max_window=args.max_window)
     refs = build_references(
         prompts, pair.target, pair.tokenizer, args.max_new_tokens, use_given=args.use_given
     )
-    for n, ref in enumerate(refs, 1):
-        profile.add(reference_routing(pair.target, pair.spec, ref))
-        if n % 8 == 0 or n == len(refs):
-            elapsed = time.perf_counter() - started
-            print(f"  {n}/{len(refs)} sequences, {profile.tokens:,} tokens, {elapsed:.0f}s")
+    profile = profile_references(pair.target, pair.spec, refs, args.max_window)
 
     result = profile.as_dict()
     args.out.mkdir(parents=True, exist_ok=True)

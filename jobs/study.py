@@ -18,19 +18,14 @@ import argparse
 import time
 from pathlib import Path
 
-import ray
-
 from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
-from jobs.cli import init_ray, run
-from pipeline.adapters import moe_spec
-from pipeline.expert_union import experts_to_numpy
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_config
-from pipeline.routing_profile import RoutingProfile
-from pipeline.shards import read_table
+from jobs.cli import ray_session, run
+from pipeline.extract.routing_profile import extraction_profile
+from pipeline.models.adapters import moe_spec
+from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_config
 from pipeline.tracking import tracked_run, tracking_uri
-from pipeline.union_from_tables import rows_of
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,10 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     out: Path = args.out
     extract_dir, cal_dir, oracle_dir = out / "extract", out / "calibration", out / "oracle"
     models = ["--target", args.target, "--draft", args.draft]
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        init_ray(num_cpus=args.num_cpus)
-    try:
+    with ray_session(num_cpus=args.num_cpus):
         _banner("1/4 extract")
         extract_job.main(
             [
@@ -90,12 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
         _banner("2/4 routing profile of the reference tokens")
-        spec = moe_spec(load_config(args.target))
-        profile = RoutingProfile(spec)
-        tokens = read_table(extract_dir, "tokens")
-        for seq_id in sorted(set(tokens.column("seq_id").to_pylist())):
-            rows = rows_of(tokens, seq_id).sort_by("t")
-            profile.add(experts_to_numpy(rows.column("experts"), spec.num_moe_layers, spec.top_k))
+        profile = extraction_profile(extract_dir, moe_spec(load_config(args.target)))
         print(profile.report())
         with tracked_run("profile_routing", params={"extract": str(extract_dir)}) as run:
             run.log_metrics(
@@ -128,9 +115,6 @@ def main(argv: list[str] | None = None) -> dict:
         )["result"]
         _banner("4/4 oracle (surrogate acceptance from draft probabilities, the paper's rule)")
         result = oracle_job.main([*oracle_args, "--out", str(oracle_dir)])["result"]
-    finally:
-        if started_ray:
-            ray.shutdown()
 
     _banner("study summary")
     overall = result.sweep[result.sweep["category"] == "all"].sort_values("lmax")

@@ -14,19 +14,11 @@ logs an MLflow run.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from jobs.cli import add_model_args, parser, run
-from pipeline.models import REPO_ROOT, load_pair
-from pipeline.predictor_training import (
-    learned_accuracy,
-    load_samples,
-    predictor_cost,
-    split_by_sequence,
-    table_accuracy,
-    train,
-)
+from pipeline.models.loading import REPO_ROOT, load_pair
+from pipeline.predictor.training import train_predictor
 from pipeline.tracking import tracked_run
 
 DEFAULT_OUT = REPO_ROOT / "models" / "predictor"
@@ -56,54 +48,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype)
-    spec = pair.spec
-    samples = load_samples(args.extract, pair, spec)
-    train_set, test_set = split_by_sequence(samples, args.held_out, args.seed)
-    print(f"{len(train_set):,} training and {len(test_set):,} held-out tokens "
-          f"({len(set(test_set.seq_ids.tolist()))} held-out sequences); "
-          f"{spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}",
-          flush=True)  # fmt: skip
-
-    def progress(epoch: int, loss: float, test_loss: float) -> None:
-        if epoch == 0 or (epoch + 1) % 5 == 0 or epoch + 1 == args.epochs:
-            print(f"[train_predictor] epoch {epoch + 1}/{args.epochs}: loss {loss:.3f}, "
-                  f"held-out {test_loss:.3f}", flush=True)  # fmt: skip
-
-    result = train(train_set, test_set, pair.draft.config.vocab_size, spec, args.epochs,
-                   args.batch_size, args.lr, args.seed, progress)  # fmt: skip
-    predictor = result.predictor
-    acc = learned_accuracy(predictor, test_set)
-    acc_train = learned_accuracy(predictor, train_set)
-    acc_table = table_accuracy(train_set, test_set, spec)
-    cost1 = predictor_cost(predictor, pair, batch=1)
-    cost8 = predictor_cost(predictor, pair, batch=8)
-    report = {
-        "held_out_topk_overlap": acc,
-        "train_topk_overlap": acc_train,
-        "lookup_table_topk_overlap": acc_table,
-        "held_out_loss": result.test_loss,
-        "train_tokens": len(train_set),
-        "held_out_tokens": len(test_set),
-        "predictor_ms": cost1["predictor_ms"],
-        "predictor_ms_8_nodes": cost8["predictor_ms"],
-        "draft_step_ms": cost1["draft_step_ms"],
-        "cost_ratio": cost1["ratio"],
-        "extract": str(args.extract),
-        "device": str(pair.device),
-    }
-    predictor.meta = {"report": report}
-    predictor.save(args.out)
-    (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"held-out top-{spec.top_k} overlap accuracy: {acc:.1%} (train {acc_train:.1%}; "
-          f"lookup-table baseline {acc_table:.1%})")  # fmt: skip
-    print(f"cost: {cost1['predictor_ms']:.3f} ms per call (1 token), "
-          f"{cost8['predictor_ms']:.3f} ms (8 tree nodes) vs {cost1['draft_step_ms']:.3f} ms "
-          f"per draft forward: {cost1['ratio']:.2f}x a draft step")  # fmt: skip
+    trained = train_predictor(pair, args.extract, args.out, args.epochs, args.batch_size,
+                              args.lr, args.held_out, args.seed,
+                              log=lambda line: print(line, flush=True))  # fmt: skip
+    report = trained.report
+    print(f"held-out top-{pair.spec.top_k} overlap accuracy: "
+          f"{report['held_out_topk_overlap']:.1%} (train {report['train_topk_overlap']:.1%}; "
+          f"lookup-table baseline {report['lookup_table_topk_overlap']:.1%})")  # fmt: skip
+    print(f"cost: {report['predictor_ms']:.3f} ms per call (1 token), "
+          f"{report['predictor_ms_8_nodes']:.3f} ms (8 tree nodes) vs "
+          f"{report['draft_step_ms']:.3f} ms per draft forward: "
+          f"{report['cost_ratio']:.2f}x a draft step")  # fmt: skip
     print(f"saved {args.out}")
     with tracked_run("train_predictor", params=vars(args)) as mlrun:
         mlrun.log_metrics({k: v for k, v in report.items() if isinstance(v, float | int)})
         mlrun.log_dict(report, "predictor_report.json")
-    return {"report": report, "predictor": predictor}
+    return {"report": report, "predictor": trained.predictor}
 
 
 if __name__ == "__main__":

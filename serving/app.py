@@ -29,25 +29,24 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
-from pipeline.engine import Generation, SamplingConfig, SpeculativeEngine
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
-from serving.decode import speculation_stats
-from serving.schema import (
+from pipeline.data.prompts import encode
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.stats import speculation_stats
+from pipeline.decode.types import Generation, SamplingConfig
+from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+from serving.errors import RequestError, error_body, install_error_handlers
+from serving.protocol import (
     CompletionRequest,
-    RequestError,
-    build_policy,
     check_lengths,
     completion_body,
-    error_body,
-    install_error_handlers,
     new_completion_id,
     now,
     parse_request,
-    policy_names,
     read_json,
     sse,
     usage,
 )
+from serving.speculation import build_policy, policy_names
 
 log = logging.getLogger("ray.serve")
 
@@ -169,7 +168,7 @@ class SpecboundServer:
     # --- internals ------------------------------------------------------------------------
 
     def _prepare(self, req: CompletionRequest) -> Job:
-        ids = self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        ids = encode(self.tokenizer, req.prompt)
         check_lengths(len(ids), req.max_tokens, self.context, self.args.max_tokens_limit)
         name, knobs = req.speculation_spec
         policy = build_policy(name, knobs)

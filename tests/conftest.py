@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.corpus import Document
-from pipeline.tiny_models import train_tokenizer
+from pipeline.tiny.corpus import Document
+from pipeline.tiny.training import train_tokenizer
 from tests.tinymodels import tiny_model
 
 TEXTS = [

@@ -10,12 +10,14 @@ import sys
 import pytest
 import torch
 
-from pipeline.adapters import moe_spec
-from pipeline.calibrate import ROUNDS_SCHEMA, _generation_rounds
-from pipeline.engine import SamplingConfig, SpeculativeEngine
-from pipeline.models import REPO_ROOT, ModelPair
-from pipeline.policies import FixedPolicy
-from pipeline.reference import greedy_continuation
+from pipeline.cost.rounds import _generation_rounds
+from pipeline.data.references import greedy_continuation
+from pipeline.data.schemas import ROUNDS_SCHEMA
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.simple import FixedPolicy
+from pipeline.decode.types import SamplingConfig
+from pipeline.models.adapters import moe_spec
+from pipeline.models.loading import REPO_ROOT, ModelPair
 from tests.conftest import tiny_draft
 from tests.tinymodels import VOCAB, tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from pipeline.models import REPO_ROOT
+from pipeline.models.loading import REPO_ROOT
 
 
 def test_cluster_yaml_validates_against_rays_schema():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from pipeline.context_analysis import class_table, label_tokens, new_experts
+from pipeline.oracle.context_analysis import class_table, label_tokens, new_experts
 
 
 def test_labels_follow_the_rules():

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.costfit import fit_cost_model
-from pipeline.costmodel import CostModel
+from pipeline.cost.fit import fit_cost_model
+from pipeline.cost.model import CostModel
 
 TRUE_BETA0 = {1: 5.0, 2: 5.5, 3: 6.0, 4: 6.2, 5: 4.0, 6: 4.3}
 TRUE_ALPHA = {1: 0.0, 2: 0.08, 3: 0.08, 4: 0.09, 5: 0.26, 6: 0.27}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy, select_nodes
-from pipeline.engine import SpeculativeEngine
-from pipeline.expert_predictor import TokenExpertPredictor
-from pipeline.reference import greedy_continuation
+from pipeline.data.references import greedy_continuation
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy, select_nodes
+from pipeline.predictor.model import TokenExpertPredictor
 from tests.test_engine import perturbed_pair
 
 

@@ -9,11 +9,12 @@ import torch
 from scipy import stats
 from transformers import DynamicCache
 
-from pipeline.adapters import moe_spec
-from pipeline.engine import SamplingConfig, SpeculativeEngine
-from pipeline.models import ModelPair
-from pipeline.policies import make_policy
-from pipeline.reference import greedy_continuation
+from pipeline.data.references import greedy_continuation
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.registry import make_policy
+from pipeline.decode.types import SamplingConfig
+from pipeline.models.adapters import moe_spec
+from pipeline.models.loading import ModelPair
 from tests.tinymodels import tiny_model
 
 POLICIES = {
@@ -57,8 +58,8 @@ def test_greedy_output_equals_plain_greedy_for_every_policy(family):
 
 @pytest.mark.slow
 def test_greedy_equality_on_the_embedded_models():
-    from pipeline.models import load_pair
-    from pipeline.prompts import load_humaneval
+    from pipeline.data.prompts import load_humaneval
+    from pipeline.models.loading import load_pair
 
     pair = load_pair()
     engine = SpeculativeEngine(pair)
@@ -154,7 +155,7 @@ def test_policy_errors_are_specific():
 
 
 def test_stop_strings_max_tokens_and_eos_on_the_embedded_models():
-    from pipeline.models import load_pair
+    from pipeline.models.loading import load_pair
 
     pair = load_pair()
     engine = SpeculativeEngine(pair)

@@ -10,14 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.adapters import MoESpec
-from pipeline.costmodel import CostModel
-from pipeline.engine import Drafter, SamplingConfig, SpeculativeEngine
-from pipeline.expert_predictor import ExpertMLP, LearnedExpertPredictor, overlap
-from pipeline.extract import extract_sequence
-from pipeline.policies import make_policy
-from pipeline.policy_artifacts import PolicyArtifacts, load_artifacts
-from pipeline.predictor_training import (
+from pipeline.cost.model import CostModel
+from pipeline.data.references import ReferenceSequence, greedy_continuation
+from pipeline.data.shards import write_shard
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
+from pipeline.decode.policies.registry import make_policy
+from pipeline.decode.types import SamplingConfig
+from pipeline.extract.rows import extract_sequence
+from pipeline.models.adapters import MoESpec
+from pipeline.predictor.model import ExpertMLP, LearnedExpertPredictor, overlap
+from pipeline.predictor.training import (
     RoutingSamples,
     layerwise_cross_entropy,
     learned_accuracy,
@@ -26,8 +30,6 @@ from pipeline.predictor_training import (
     table_accuracy,
     train,
 )
-from pipeline.reference import ReferenceSequence, greedy_continuation
-from pipeline.shards import write_shard
 from tests.test_engine import perturbed_pair
 
 SPEC = MoESpec("test", (0, 1, 2), num_experts=8, top_k=2, shared_experts=False)
@@ -90,7 +92,7 @@ def test_save_load_round_trip(tmp_path):
 
 def test_training_contexts_are_the_online_drafters_states(checkpoints, tmp_path):
     """Sample t's context must be the hidden state the drafter holds when it proposes x_t."""
-    from pipeline.models import load_pair
+    from pipeline.models.loading import load_pair
 
     pair = load_pair(checkpoints.target, checkpoints.draft)
     prompt = checkpoints.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
@@ -161,8 +163,8 @@ def test_factory_errors_are_specific():
 
 
 def test_committed_artifacts_load_and_fit_the_embedded_target():
-    from pipeline.adapters import moe_spec
-    from pipeline.models import DEFAULT_TARGET, load_config
+    from pipeline.models.adapters import moe_spec
+    from pipeline.models.loading import DEFAULT_TARGET, load_config
 
     art = load_artifacts()
     spec = moe_spec(load_config(DEFAULT_TARGET))

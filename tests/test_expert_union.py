@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.expert_union import (
+from pipeline.data.schemas import experts_array, experts_to_numpy
+from pipeline.oracle.expert_union import (
     bitmasks,
-    experts_to_numpy,
     union_table_paper,
     union_table_shared,
 )
-from pipeline.extract import experts_array
 
 LAYERS, TOP_K = 3, 2
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.adapters import moe_spec
-from pipeline.extract import extract_sequence
-from pipeline.junk_tails import tail_specs
-from pipeline.models import ModelPair
-from pipeline.reference import ReferenceSequence
-from pipeline.routing import forward_with_routing
-from pipeline.sampling import exclude_token, sample_from_probs, stable_key, uniforms
+from pipeline.data.references import ReferenceSequence
+from pipeline.extract.junk_tails import tail_specs
+from pipeline.extract.keyed_random import exclude_token, sample_from_probs, stable_key, uniforms
+from pipeline.extract.rows import extract_sequence
+from pipeline.models.adapters import moe_spec
+from pipeline.models.loading import ModelPair
+from pipeline.models.routing import forward_with_routing
 from tests.conftest import tiny_draft
 from tests.tinymodels import VOCAB, tiny_model
 
@@ -122,7 +122,7 @@ def test_extraction_is_deterministic_and_independent_of_packing(pair, ref):
 
 @pytest.mark.parametrize("mode", ["shared", "paper"])
 def test_union_table_for_a_smaller_lmax_reads_only_its_cells(pair, ref, mode):
-    from pipeline.union_from_tables import sequence_union_table
+    from pipeline.oracle.union_from_tables import sequence_union_table
 
     out = extract_sequence(pair, ref, LMAX, mode, seed=3)
     full = sequence_union_table(out.tokens, out.tails, pair.spec, LMAX)

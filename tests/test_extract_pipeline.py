@@ -15,10 +15,10 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from pipeline.extract_pipeline import TABLES, ExtractConfig, run_extraction
-from pipeline.models import REPO_ROOT
-from pipeline.prompts import load_jsonl
-from pipeline.shards import ManifestMismatchError, completed_shards, read_table
+from pipeline.data.prompts import load_jsonl
+from pipeline.data.shards import ManifestMismatchError, completed_shards, read_table
+from pipeline.extract.ray_pipeline import TABLES, ExtractConfig, run_extraction
+from pipeline.models.loading import REPO_ROOT
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mtbench_small.jsonl"
 
@@ -66,7 +66,7 @@ def test_two_nodes_both_process_shards(checkpoints, tmp_path):
 
 
 def test_rerun_with_other_parameters_is_refused(checkpoints, tmp_path):
-    from pipeline.shards import check_manifest
+    from pipeline.data.shards import check_manifest
 
     cfg = _config(checkpoints, tmp_path)
     check_manifest(tmp_path, cfg.manifest("a.jsonl", None, 1))

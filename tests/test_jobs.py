@@ -10,8 +10,8 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.models import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
-from pipeline.tiny_models import directory_size_bytes
+from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, REPO_ROOT
+from pipeline.tiny.training import directory_size_bytes
 
 
 def _env() -> dict[str, str]:

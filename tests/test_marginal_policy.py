@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.costmodel import CostModel
-from pipeline.engine import SamplingConfig, SpeculativeEngine
-from pipeline.expert_predictor import TokenExpertPredictor
-from pipeline.marginal_policy import MarginalPolicy
-from pipeline.reference import greedy_continuation
+from pipeline.cost.model import CostModel
+from pipeline.data.references import greedy_continuation
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.marginal import MarginalPolicy
+from pipeline.decode.types import SamplingConfig
+from pipeline.predictor.model import TokenExpertPredictor
 from tests.test_engine import perturbed_pair
 
 
@@ -98,8 +99,8 @@ def test_predictor_fit_and_overlap():
 
 
 def test_acceptance_calibrator_starts_at_q_and_learns_from_verified_drafts():
-    from pipeline.engine import Candidates, StepOutcome
-    from pipeline.marginal_policy import AcceptanceCalibrator
+    from pipeline.decode.policies.marginal import AcceptanceCalibrator
+    from pipeline.decode.types import Candidates, StepOutcome
 
     cal = AcceptanceCalibrator(bins=10, prior=4.0)
     assert cal(0.05) == pytest.approx(0.05) and cal(0.93) == pytest.approx(0.93)

@@ -8,10 +8,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.adapters import SUPPORTED_FAMILIES, NoMoELayersError, UnsupportedArchitectureError
-from pipeline.corpus import Document
-from pipeline.models import CheckpointError, TokenizerMismatchError, load_pair, pick_device
-from pipeline.tiny_models import train_tokenizer
+from pipeline.models.adapters import (
+    SUPPORTED_FAMILIES,
+    NoMoELayersError,
+    UnsupportedArchitectureError,
+)
+from pipeline.models.loading import CheckpointError, TokenizerMismatchError, load_pair, pick_device
+from pipeline.tiny.corpus import Document
+from pipeline.tiny.training import train_tokenizer
 from tests.conftest import save_checkpoint
 from tests.tinymodels import tiny_config, tiny_model
 
@@ -42,7 +46,7 @@ def test_every_family_reports_its_moe_layout():
         "deepseek_v3": (1, 2),
     }
     assert set(expected) == set(SUPPORTED_FAMILIES)
-    from pipeline.adapters import moe_spec
+    from pipeline.models.adapters import moe_spec
 
     for family, layers in expected.items():
         spec = moe_spec(tiny_config(family))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.costmodel import CostModel
-from pipeline.online_bound import replay, sequence_bounds
-from pipeline.reference import greedy_continuation
+from pipeline.bench.online_bound import replay, sequence_bounds
+from pipeline.cost.model import CostModel
+from pipeline.data.references import greedy_continuation
 from tests.test_engine import perturbed_pair
 
 COST = CostModel({m: 5.0 + 0.3 * m for m in range(1, 10)}, {m: 0.4 for m in range(1, 10)},

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeline.costmodel import CostModel
-from pipeline.oracle import acceptance_table, cost_table, evaluate_policy, solve
+from pipeline.cost.model import CostModel
+from pipeline.oracle.bellman import acceptance_table, cost_table, evaluate_policy, solve
 
 
 def _model(lmax: int, alpha: float = 0.3) -> CostModel:

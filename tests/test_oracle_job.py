@@ -10,13 +10,13 @@ import pytest
 import ray
 
 from jobs import oracle as oracle_job
-from pipeline.adapters import moe_spec
-from pipeline.costmodel import CostModel
-from pipeline.extract import extract_sequence
-from pipeline.models import load_pair
-from pipeline.prompts import load_jsonl
-from pipeline.reference import build_references
-from pipeline.shards import check_manifest, write_shard
+from pipeline.cost.model import CostModel
+from pipeline.data.prompts import load_jsonl
+from pipeline.data.references import build_references
+from pipeline.data.shards import check_manifest, write_shard
+from pipeline.extract.rows import extract_sequence
+from pipeline.models.adapters import moe_spec
+from pipeline.models.loading import load_pair
 from tests.test_extract_pipeline import FIXTURE
 
 LMAX = 4

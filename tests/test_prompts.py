@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.prompts import (
+from pipeline.data.prompts import (
     Prompt,
     PromptSourceError,
     load_humaneval,

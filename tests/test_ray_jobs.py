@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.costmodel import CostModel
-from pipeline.models import REPO_ROOT
+from pipeline.cost.model import CostModel
+from pipeline.models.loading import REPO_ROOT
 from tests.test_extract_pipeline import FIXTURE
 
 BIN = Path(sys.executable).parent

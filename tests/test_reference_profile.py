@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import torch
 
-from pipeline.adapters import moe_spec
-from pipeline.prompts import Prompt
-from pipeline.reference import build_references, greedy_continuation
-from pipeline.routing_profile import RoutingProfile, reference_routing, window_union_sizes
+from pipeline.data.prompts import Prompt
+from pipeline.data.references import build_references, greedy_continuation
+from pipeline.extract.routing_profile import RoutingProfile, reference_routing, window_union_sizes
+from pipeline.models.adapters import moe_spec
 from tests.tinymodels import tiny_model
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pipeline.adapters import decoder_layers, experts_modules, moe_spec
-from pipeline.routing import RoutingCapture, forward_with_routing, unique_experts_per_layer
-from pipeline.treemask import chains_as_tree, tree_attention_inputs
+from pipeline.models.adapters import decoder_layers, experts_modules, moe_spec
+from pipeline.models.routing import RoutingCapture, forward_with_routing, unique_experts_per_layer
+from pipeline.models.treemask import chains_as_tree, tree_attention_inputs
 from tests.tinymodels import FAMILIES, VOCAB, tiny_model
 
 

@@ -17,10 +17,12 @@ import openai
 import pytest
 import yaml
 
-from pipeline.engine import SamplingConfig, SpeculativeEngine
-from pipeline.models import REPO_ROOT, load_pair
-from pipeline.policies import make_policy
-from pipeline.prompts import load_prompts
+from pipeline.data.prompts import load_prompts
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.registry import POLICIES, make_policy
+from pipeline.decode.types import SamplingConfig
+from pipeline.models.loading import REPO_ROOT, load_pair
+from tests.test_policy_registry import out_of_range, wrong_type
 
 APP_NAME = "specbound-test"
 MAX_TOKENS_LIMIT = 256
@@ -314,6 +316,35 @@ def test_bad_input_is_a_4xx_json_error(server, body, status, keyword, param):
         assert error["param"] == param
 
 
+REGISTRY_KNOBS = [(name, k) for name, cls in POLICIES.items() for k in cls.knobs]
+
+
+@pytest.mark.slow
+def test_every_registered_policy_s_knobs_are_validated_over_http(server):
+    """For every knob of every registered policy: a value of the wrong type (a float where an
+    int is due...) and a value outside the declared range get a 400 naming the knob, never a
+    500 or a generation. ecospec's depth 2.5 once reached range() mid-generation."""
+    for name, knob in REGISTRY_KNOBS:
+        # (value, what the message names, the param when it is the knob's own field)
+        cases = [(wrong_type(knob), knob.name, f"speculation.{knob.name}")]
+        bad = out_of_range(knob)
+        if bad is not None:
+            cases.append((bad, knob.title or knob.name, None))
+        for value, named, param in cases:
+            r = _post(
+                server,
+                {"prompt": "x", "max_tokens": 2, "speculation": {"policy": name, knob.name: value}},
+                timeout=60,
+            )
+            assert r.status_code == 400, (name, knob.name, value, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert named in error["message"], (name, knob.name, error)
+            assert error["param"].startswith("speculation"), error
+            if param is not None:
+                assert error["param"] == param, error
+
+
 @pytest.mark.slow
 def test_every_listed_policy_answers_or_fails_cleanly(server):
     """Cost-aware policies need artifacts (an expert predictor...) that a server may lack:
@@ -333,7 +364,7 @@ def test_unexpected_exception_is_a_500_json_error_without_traceback():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from serving.schema import install_error_handlers
+    from serving.errors import install_error_handlers
 
     api = FastAPI()
     install_error_handlers(api)

@@ -1,0 +1,56 @@
+"""Figures of the calibration: T_T against U per K with the fitted lines (the paper's
+Figure 1), and T_D against K with the draft line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: jobs run on cluster workers without a display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from pipeline.cost.model import CostModel  # noqa: E402
+
+
+def plot_target_vs_experts(rounds: pd.DataFrame, model: CostModel, path: Path) -> Path:
+    ks = sorted(rounds["k"].unique())
+    cols = min(4, len(ks))
+    rows = int(np.ceil(len(ks) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False,
+                             sharey=True)  # fmt: skip
+    median_ctx = float(rounds["ctx_len"].median())
+    for ax, k in zip(axes.flat, ks, strict=False):
+        sub = rounds[rounds["k"] == k]
+        m = int(k) + 1
+        ax.scatter(sub["u_bar"], sub["t_target_ms"], s=4, alpha=0.35)
+        u = np.linspace(sub["u_bar"].min(), sub["u_bar"].max(), 20)
+        ax.plot(u, [model.t_target(m, x, median_ctx) for x in u], color="crimson")
+        ax.set_title(f"K={k}: a={model.alpha[m]:.3f}, b0={model.beta0[m]:.2f}", fontsize=8)
+        ax.set_xlabel("U (unique experts / layer)", fontsize=8)
+    for ax in axes.flat[len(ks) :]:
+        ax.axis("off")
+    axes[0, 0].set_ylabel("T_T (ms)")
+    fig.suptitle(f"Verification time vs unique experts (line at median L = {median_ctx:.0f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_draft_vs_k(rounds: pd.DataFrame, model: CostModel, path: Path) -> Path:
+    spec = rounds[rounds["k"] > 0]
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    ax.scatter(spec["k"], spec["t_draft_ms"], s=4, alpha=0.3)
+    ks = np.arange(1, int(spec["k"].max()) + 1) if len(spec) else np.arange(1, 2)
+    ax.plot(ks, [model.t_draft(int(k)) for k in ks], color="crimson",
+            label=f"T_D = {model.draft_a:.3f} K + {model.draft_b:.3f}")  # fmt: skip
+    ax.set_xlabel("K (draft tokens)")
+    ax.set_ylabel("T_D (ms)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

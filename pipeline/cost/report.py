@@ -1,0 +1,64 @@
+"""Readable text and MLflow metrics from a cost-model fit."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from pipeline.cost.fit import CostFit
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def fit_metrics(fit: CostFit, rounds: pd.DataFrame) -> dict[str, float]:
+    model = fit.model
+    metrics: dict[str, float] = {
+        "rounds": len(rounds),
+        "generations": rounds["gen_id"].nunique(),
+        "c": model.c,
+        "draft_a": model.draft_a,
+        "draft_b": model.draft_b,
+        "pooled_oos_mape": fit.pooled["oos_mape"],
+        "draft_oos_mape": fit.draft["oos_mape"],
+    }
+    for r in fit.per_m.itertuples():
+        for name in ("beta0", "alpha", "alpha_p", "r2", "oos_r2", "oos_rmse", "oos_mape"):
+            metrics[f"{name}_m{r.m}"] = getattr(r, name)
+    metrics.update({f"pooled_{k}": v for k, v in fit.pooled["coef"].items()})
+    for r in fit.factors.itertuples():
+        metrics[f"factor_oos_r2_{r.factor}"] = r.oos_r2
+    return {k: float(v) for k, v in metrics.items() if pd.notna(v)}
+
+
+def format_report(fit: CostFit, per_k: pd.DataFrame) -> str:
+    model = fit.model
+    cols = ["k", "m", "rounds", "mean_t_target_ms", "mean_t_draft_ms", "mean_u_bar"]
+    lines = [
+        "per-K rounds (sql/calibration_per_k.sql):",
+        per_k[[*cols, "mean_accepted"]].to_string(index=False, float_format="{:.3f}".format),
+        "",
+        f"T_T = beta0(m) + alpha(m) U + c L,  c = {model.c * 1000:.4f} ms per 1000 tokens",
+        "   m      n   beta0 ms  alpha ms/expert  (clustered SE, p)       R2  OOS R2  OOS MAPE",
+    ]
+    for r in fit.per_m.itertuples():
+        lines.append(
+            f"{r.m:>4} {r.n:>6} {r.beta0:>10.3f} {r.alpha:>16.4f}  "
+            f"({_fmt(r.alpha_se, '.4f')}, p={_fmt(r.alpha_p, '.1e')}) "
+            f"{_fmt(r.r2):>9} {_fmt(r.oos_r2):>7} {_fmt(r.oos_mape, '.2f'):>8}%"
+        )
+    pc = fit.pooled["coef"]
+    lines += [
+        "",
+        f"T_D = {model.draft_a:.4f} K + {model.draft_b:.4f} ms (OOS MAPE "
+        f"{fit.draft['oos_mape']:.2f}%, MedAPE {fit.draft['oos_medape']:.2f}%)",
+        f"pooled: T_T = {pc['const']:.3f} + {pc['u_bar']:.4f} U + {pc['ctx_len']:.2e} L "
+        f"+ {pc['k']:.4f} K (OOS MAPE {fit.pooled['oos_mape']:.2f}%)",
+        "",
+        "factor importance (OOS R2 alone; RMSE reduction over U alone, ms):",
+        fit.factors.to_string(index=False, float_format="{:.4f}".format),
+    ]
+    lines += [f"note: {note}" for note in fit.notes]
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Every table the stages exchange (DESIGN section 4), in one place: the Parquet schemas and
+the codec of the ``experts`` column (``list<list<int16>>``: MoE layers x top-k expert ids).
+Columns beyond DESIGN's are documented in the README's contract section."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+EXPERTS_TYPE = pa.list_(pa.list_(pa.int16()))
+
+# extraction (pipeline.extract)
+SEQUENCES_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("category", pa.string()),
+        ("prompt_len", pa.int32()),
+        ("n_tokens", pa.int32()),
+        ("source", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+    ]
+)
+TOKENS_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("t", pa.int32()),
+        ("token_id", pa.int32()),
+        ("draft_prob", pa.float32()),  # P_draft(x_t | x_<t); null at t = 0 (x_0 is the prompt's)
+        ("draft_match", pa.bool_()),  # argmax of the draft at x_<t equals x_t; null at t = 0
+        ("experts", EXPERTS_TYPE),  # [MoE layers][top-k] experts the target selected for x_t
+    ]
+)
+TAILS_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("mode", pa.string()),
+        ("s", pa.int32()),  # divergence point: the tail follows x_0..x_s
+        ("r", pa.int32()),  # 1-based position in the tail
+        ("token_id", pa.int32()),
+        ("experts", EXPERTS_TYPE),
+        ("i", pa.int32()),  # paper mode: the (i, k, a) cell the tail belongs to; null if shared
+        ("k", pa.int32()),
+        ("a", pa.int32()),
+    ]
+)
+
+# calibration (pipeline.cost)
+ROUNDS_SCHEMA = pa.schema(
+    [
+        ("gen_id", pa.string()),
+        ("category", pa.string()),
+        ("k", pa.int32()),
+        ("m", pa.int32()),
+        ("t_target_ms", pa.float64()),
+        ("t_draft_ms", pa.float64()),
+        ("u_bar", pa.float64()),
+        ("ctx_len", pa.int32()),  # L = L_prompt + i: committed tokens before the round
+        ("kv_tokens", pa.int32()),  # target KV-cache length before the pass
+        ("kv_occupancy", pa.float64()),  # kv_tokens / max positions
+        ("accepted", pa.int32()),
+        ("round", pa.int32()),  # index of the round within its generation
+    ]
+)
+
+# oracle (pipeline.oracle)
+DECISIONS_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("lmax", pa.int32()),
+        ("acceptance", pa.string()),  # surrogate or greedy: the P(a|k) the DP used
+        ("i", pa.int32()),
+        ("k", pa.int32()),
+        ("e_accept", pa.float64()),
+        ("e_cost_ms", pa.float64()),
+        ("e_experts", pa.float64()),
+        ("q_value", pa.float64()),
+        ("chosen", pa.bool_()),
+        ("visit", pa.float64()),
+    ]
+)
+SUMMARY_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("category", pa.string()),
+        ("lmax", pa.int64()),
+        ("acceptance", pa.string()),
+        ("n_tokens", pa.int64()),
+        ("dp0_ms", pa.float64()),
+        ("ar_ms", pa.float64()),
+        ("speedup", pa.float64()),
+        ("mean_k", pa.float64()),
+        ("mean_accept", pa.float64()),
+        # Visit-weighted sums, so totals over sequences can be pooled in SQL.
+        ("visit_sum", pa.float64()),
+        ("visit_k_sum", pa.float64()),
+        ("visit_accept_sum", pa.float64()),
+    ]
+)
+
+
+def experts_array(routing: np.ndarray) -> pa.Array:
+    """``[rows, layers, top_k]`` ints as ``list<list<int16>>`` without a Python loop."""
+    rows, layers, top_k = routing.shape
+    flat = pa.array(routing.astype(np.int16).reshape(-1), type=pa.int16())
+    inner = pa.ListArray.from_arrays(
+        pa.array(np.arange(0, rows * layers * top_k + 1, top_k, dtype=np.int32)), flat
+    )
+    return pa.ListArray.from_arrays(
+        pa.array(np.arange(0, rows * layers + 1, layers, dtype=np.int32)), inner
+    )
+
+
+def experts_to_numpy(column: pa.ChunkedArray | pa.Array, layers: int, top_k: int) -> np.ndarray:
+    """A ``list<list<int16>>`` column as ``[rows, layers, top_k]`` int16."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    flat = arr.flatten().flatten().to_numpy(zero_copy_only=False)
+    return flat.reshape(-1, layers, top_k)

@@ -1,0 +1,96 @@
+"""The draft model's side of a speculative step (catch up, extend a chain, expand a tree
+level, roll back)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from pipeline.decode.types import SamplingConfig
+from pipeline.models.kvcache import crop_to
+from pipeline.models.loading import ModelPair
+from pipeline.models.treemask import ancestor_matrix
+
+
+class Drafter:
+    """The draft model's side of a step: catch up on committed tokens, extend a chain, expand a
+    tree level; rolled back to the committed prefix after every step.
+
+    It also keeps the draft's last-layer hidden state of every row it just computed
+    (``hidden``): the state that produced a drafted token's distribution is the cheap, already
+    paid-for context an expert predictor reads (pipeline.predictor.model). ``root_context`` is
+    that state for the last committed token (the one the verification pass starts with).
+    """
+
+    def __init__(self, pair: ModelPair, sampling: SamplingConfig, generator: torch.Generator):
+        self.pair = pair
+        self.sampling = sampling
+        self.generator = generator
+        self.cache = DynamicCache(config=pair.draft.config)
+        self.committed_len = 0
+        self._tree_parents: list[int] = []  # nodes appended to the cache this step
+        self.hidden: torch.Tensor | None = None  # [rows, hidden] of the last forward
+        self.root_context: torch.Tensor | None = None
+        self._last_committed_hidden: torch.Tensor | None = None
+
+    def _forward(self, ids: list[int], **kw) -> torch.Tensor:
+        t = torch.tensor([ids], device=self.pair.device)
+        out = self.pair.draft(
+            t, past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kw
+        )
+        self.hidden = out.hidden_states[-1][0]
+        return out.logits[0]
+
+    def prefill(self, ids: list[int]) -> None:
+        """Feed the prompt (all but its last token) before the first step, as the target's
+        prefill is, so that no step's draft time includes it."""
+        if ids:
+            self._forward(ids)
+            self._last_committed_hidden = self.hidden[-1]
+            self.committed_len = len(ids)  # what end() rolls back to, even with no draft
+
+    def begin(self, committed: list[int]) -> torch.Tensor:
+        """Feed committed tokens the cache lacks; the distribution after the last one."""
+        pending = committed[self.cache.get_seq_length() :]
+        self.committed_len = len(committed)
+        self._tree_parents = []
+        logits = self._forward(pending)
+        # The state after the second-to-last committed token: in this forward when it fed two
+        # or more tokens, else the last committed state of the previous step.
+        if len(pending) >= 2:
+            self.root_context = self.hidden[-2]
+        else:
+            self.root_context = self._last_committed_hidden
+        self._last_committed_hidden = self.hidden[-1]
+        return self.sampling.probs(logits[-1])
+
+    def extend(self, token: int) -> torch.Tensor:
+        """Chain: append ``token``; the distribution after it."""
+        self._tree_parents.append(len(self._tree_parents) - 1)
+        return self.sampling.probs(self._forward([token])[-1])
+
+    def expand(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Tree: append a level of nodes (``parents`` index earlier appended nodes, -1 = root);
+        their next-token distributions, one row each."""
+        base = self.committed_len
+        start = len(self._tree_parents)
+        self._tree_parents.extend(parents)
+        sees = ancestor_matrix(self._tree_parents)[start:]  # rows: new nodes
+        dtype = self.pair.draft.dtype
+        mask = torch.zeros(len(tokens), base + len(self._tree_parents), dtype=dtype)
+        mask[:, base:] = torch.where(sees, 0.0, torch.finfo(dtype).min)
+        depth = sees.sum(dim=1) - 1
+        positions = (base + depth).view(1, -1).to(self.pair.device)
+        logits = self._forward(
+            tokens, attention_mask=mask.view(1, 1, *mask.shape).to(self.pair.device),
+            position_ids=positions,
+        )  # fmt: skip
+        return self.sampling.probs(logits)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+    def end(self) -> None:
+        crop_to(self.cache, self.committed_len)

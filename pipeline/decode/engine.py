@@ -1,0 +1,144 @@
+"""A lossless speculative decoder over HF models with KV caches, the whole loop in one step():
+the policy (pipeline.decode.policies) proposes candidates with the draft (a chain, or a tree
+given by parent indices); the target verifies the last committed token plus every candidate in
+one forward (a 4D tree mask for trees); pipeline.decode.acceptance walks the candidates from the
+root; both caches are rolled back to the accepted path. Every step records what was drafted and
+verified, the accepted tokens, the unique experts per MoE layer in the verification pass, and
+the draft and verification times.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from pipeline.decode.acceptance import accept
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.stream import GenerationStream
+from pipeline.decode.types import Candidates, Generation, SamplingConfig, StepOutcome, StepRecord
+from pipeline.models.kvcache import crop_to, keep_positions
+from pipeline.models.loading import ModelPair
+from pipeline.models.routing import RoutingCapture
+from pipeline.models.timing import timed
+from pipeline.models.treemask import tree_attention_inputs
+
+
+class DecodeSession:
+    """One generation in progress: both caches, the committed tokens, the step records."""
+
+    def __init__(
+        self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed, repeats: int = 1
+    ):
+        """``repeats`` > 1 (calibration) runs every draft proposal and verification pass that
+        many times, rolling the caches back in between, and records the median times; only
+        greedy decoding, whose repeats are identical, allows it."""
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        self.pair = pair
+        self.policy = policy
+        self.sampling = sampling
+        self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
+        self.committed = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.target_cache = DynamicCache(config=pair.target.config)
+        self.drafter = Drafter(pair, sampling, self.generator)
+        with torch.no_grad():
+            if len(self.committed) > 1:
+                ids = torch.tensor([self.committed[:-1]], device=pair.device)
+                pair.target(ids, past_key_values=self.target_cache, use_cache=True)
+            self.drafter.prefill(self.committed[:-1])
+        self.steps: list[StepRecord] = []
+        if repeats > 1 and not sampling.greedy:
+            raise ValueError("timing repeats need greedy decoding (sampling would differ)")
+        self.repeats = repeats
+        policy.reset()
+
+    def _timed_repeats(self, fn, rollback):
+        times = []
+        for attempt in range(self.repeats):
+            if attempt:
+                rollback()
+            result, t_ms = timed(self.pair.device, fn)
+            times.append(t_ms)
+        return result, float(np.median(times))
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Draft, verify in one target forward, accept, roll back; the new tokens."""
+        pair = self.pair
+
+        def propose() -> Candidates:
+            try:
+                return self.policy.propose(self.drafter, self.committed)
+            finally:
+                self.drafter.end()
+
+        draft_len = self.drafter.cache.get_seq_length()
+        cands, t_draft = self._timed_repeats(
+            propose, lambda: crop_to(self.drafter.cache, draft_len)
+        )
+        base = len(self.committed) - 1
+        ids = torch.tensor([[self.committed[-1], *cands.tokens]], device=pair.device)
+        kwargs = {}
+        if not cands.is_chain:
+            parents = [-1] + [p + 1 for p in cands.parents]
+            mask, positions = tree_attention_inputs(parents, base, pair.target.dtype, pair.device)
+            kwargs = {"attention_mask": mask, "position_ids": positions}
+
+        def verify():
+            with RoutingCapture(pair.target, pair.spec) as capture:
+                out = pair.target(ids, past_key_values=self.target_cache, use_cache=True, **kwargs)
+                return out.logits[0], capture.take(1, ids.shape[1])[0]
+
+        (logits, routing), t_verify = self._timed_repeats(
+            verify, lambda: crop_to(self.target_cache, base)
+        )
+        new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.generator)
+        keep_positions(self.target_cache, base, [0] + [n + 1 for n in accepted])
+        self.committed.extend(new)
+        routing_np = routing.cpu().numpy()
+        unique = [len(np.unique(routing_np[:, layer])) for layer in range(routing_np.shape[1])]
+        record = StepRecord(len(cands), len(cands) + 1, len(accepted), len(new), unique,
+                            t_draft, t_verify)  # fmt: skip
+        self.steps.append(record)
+        self.policy.update(StepOutcome(cands, len(accepted), record))
+        return new
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed[self.prompt_len :]
+
+
+class SpeculativeEngine:
+    def __init__(self, pair: ModelPair):
+        self.pair = pair
+
+    def start(
+        self, prompt_ids: list[int], policy, sampling=None, seed=None, repeats: int = 1
+    ) -> DecodeSession:
+        return DecodeSession(
+            self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed, repeats
+        )
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        policy,
+        max_new_tokens: int = 64,
+        sampling: SamplingConfig | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_at_eos: bool = True,
+    ) -> GenerationStream:
+        """A generation to run step by step, handing out its text as it grows."""
+        return GenerationStream(self, prompt_ids, policy, max_new_tokens, sampling, seed, stop,
+                                stop_at_eos)  # fmt: skip
+
+    def generate(self, prompt_ids: list[int], policy, max_new_tokens: int = 64,
+                 sampling: SamplingConfig | None = None, seed: int | None = None,
+                 stop: list[str] | None = None, stop_at_eos: bool = True,
+                 ) -> Generation:  # fmt: skip
+        """Decode until max_new_tokens, EOS or a stop string (the text ends before it)."""
+        return self.stream(prompt_ids, policy, max_new_tokens, sampling, seed, stop,
+                           stop_at_eos).run()  # fmt: skip

@@ -1,0 +1,72 @@
+"""What the cost-aware policies read, saved beside the models: the expert predictor
+(``predictor/``, from jobs.train_predictor), the cost model (``costmodel.json``, from
+jobs.calibrate) and the oracle's boundary slope lambda (``policy.json``, from jobs.oracle).
+
+The committed copies under models/ were produced on a 2-core CPU; on other hardware calibrate
+and rerun the oracle, then point ``--costmodel`` / ``--policy`` (or this module's loader) at
+the new files, since the cost model is per device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from pipeline.cost.model import CostModel
+from pipeline.models.loading import REPO_ROOT
+from pipeline.predictor.model import ExpertPredictor, LearnedExpertPredictor
+
+MODELS_DIR = REPO_ROOT / "models"
+DEFAULT_PREDICTOR = MODELS_DIR / "predictor"
+DEFAULT_COSTMODEL = MODELS_DIR / "costmodel.json"
+DEFAULT_POLICY = MODELS_DIR / "policy.json"
+
+
+@dataclass(frozen=True)
+class PolicyArtifacts:
+    predictor: ExpertPredictor
+    cost: CostModel
+    lam: float  # ms of expected cost per token of expected progress
+
+    def check_target(self, num_moe_layers: int, num_experts: int) -> None:
+        """A predictor trained for another target would price the wrong experts."""
+        p = self.predictor
+        if isinstance(p, LearnedExpertPredictor) and (
+            p.model.layers != num_moe_layers or p.model.num_experts != num_experts
+        ):
+            raise ValueError(
+                f"the expert predictor predicts {p.model.layers} MoE layers x "
+                f"{p.model.num_experts} experts, but the target has {num_moe_layers} x "
+                f"{num_experts}: train one for this target with python -m jobs.train_predictor"
+            )
+
+
+def read_lambda(path: Path) -> float:
+    try:
+        lam = json.loads(Path(path).read_text())["lambda_ms_per_token"]
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            f"no oracle policy at {path}; run python -m jobs.oracle and pass its policy.json"
+        ) from exc
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not an oracle policy.json (no lambda_ms_per_token)") from exc
+    if lam is None or lam <= 0:
+        raise ValueError(f"{path}: lambda must be > 0, got {lam} (the oracle's delta space "
+                         "found no usable boundary; recalibrate)")  # fmt: skip
+    return float(lam)
+
+
+@lru_cache(maxsize=8)
+def load_artifacts(
+    predictor: Path = DEFAULT_PREDICTOR,
+    costmodel: Path = DEFAULT_COSTMODEL,
+    policy: Path = DEFAULT_POLICY,
+    device: str = "cpu",
+) -> PolicyArtifacts:
+    """Loaded once per process and set of paths (servers build a policy per request)."""
+    return PolicyArtifacts(
+        LearnedExpertPredictor.load(predictor, device), CostModel.load(costmodel),
+        read_lambda(policy),
+    )  # fmt: skip

@@ -1,0 +1,60 @@
+"""The policy interface (one small interface, as transformers' candidate generators separate
+proposing from adapting) and the chain drafting most policies share.
+
+A policy class declares its knobs (``knobs``, pipeline.decode.policies.knobs) and how it is
+built from validated knobs (``from_knobs``); the registry lists the classes once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.policies.knobs import Knob
+from pipeline.decode.types import Candidates, StepOutcome
+
+if TYPE_CHECKING:
+    from pipeline.decode.policies.artifacts import PolicyArtifacts
+
+
+class Policy:
+    name: ClassVar[str] = "policy"
+    summary: ClassVar[str] = ""
+    knobs: ClassVar[tuple[Knob, ...]] = ()
+    # True: built from PolicyArtifacts (expert predictor, cost model, lambda).
+    needs_artifacts: ClassVar[bool] = False
+
+    @classmethod
+    def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
+        """The policy from validated knobs (the registry checked names, types and ranges)."""
+        return cls(**knobs)
+
+    def reset(self) -> None:
+        """Called at the start of every generation."""
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        raise NotImplementedError
+
+    def update(self, outcome: StepOutcome) -> None:
+        """Adapt from the last step (most policies do not)."""
+
+
+def draft_chain(
+    drafter: Drafter, committed: list[int], k: int, min_conf: float = 0.0
+) -> Candidates:
+    """Up to k draft tokens, sampled (or argmax when greedy); stops early once the draft's
+    confidence in its own token falls below ``min_conf`` (at least one token is drafted)."""
+    cands = Candidates()
+    probs = drafter.begin(committed)
+    for j in range(k):
+        token = drafter.sample(probs)
+        conf = float(probs[token])
+        if j > 0 and conf < min_conf:
+            break
+        cands.tokens.append(token)
+        cands.parents.append(j - 1)
+        cands.q.append(None if drafter.sampling.greedy else probs)
+        cands.confidences.append(conf)
+        if j + 1 < k:
+            probs = drafter.extend(token)
+    return cands

@@ -1,0 +1,95 @@
+"""Every draft policy, registered once by name with its knobs (types, ranges, defaults), and
+the one way to build one: ``make_policy(name, [artifacts,] **knobs)``.
+
+Tests iterate over ``POLICIES`` (losslessness, knob validation, the endpoint's 400s), so a
+policy added here is covered the day it is added. The knobs live beside each policy class
+(``Policy.knobs``); the cost-aware ones (``needs_artifacts``) are built from the expert
+predictor, cost model and lambda committed under models/ unless artifacts are passed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
+from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy
+from pipeline.decode.policies.knobs import Knob, KnobError
+from pipeline.decode.policies.marginal import MarginalPolicy
+from pipeline.decode.policies.simple import (
+    AutoregressivePolicy,
+    ConfidencePolicy,
+    FixedPolicy,
+    HeuristicPolicy,
+)
+from pipeline.decode.policies.tree import TreePolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        AutoregressivePolicy,
+        FixedPolicy,
+        HeuristicPolicy,
+        ConfidencePolicy,
+        TreePolicy,
+        EcoSpecPolicy,
+        EcoSpecGlobalPolicy,
+        MarginalPolicy,
+    )
+}
+POLICY_NAMES = tuple(POLICIES)
+
+
+def policy_class(name: str) -> type[Policy]:
+    if name not in POLICIES:
+        raise KnobError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return POLICIES[name]
+
+
+def knob(name: str, knob_name: str) -> Knob | None:
+    return next((k for k in policy_class(name).knobs if k.name == knob_name), None)
+
+
+def validate_knobs(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The knobs checked against the registry (names, types, ranges) and converted (an int
+    where a float is due becomes a float); a KnobError (a ValueError) names the first bad one.
+    A knob left out takes the policy's default."""
+    cls = policy_class(name)
+    declared = {k.name: k for k in cls.knobs}
+    out: dict[str, Any] = {}
+    for key, value in knobs.items():
+        spec = declared.get(key)
+        if spec is None:
+            choices = ", ".join(declared) or "none"
+            raise KnobError(f"bad knobs for policy {name!r}: unknown knob {key!r} "
+                            f"(its knobs: {choices})")  # fmt: skip
+        if value is None and spec.default is None:
+            continue  # "use the artifacts' value", said explicitly
+        problem = spec.type_error(value)
+        if problem is None:
+            problem = spec.range_error(value)
+            if problem is not None:
+                problem = f"{name}: {problem}"
+        else:
+            problem = f"bad knobs for policy {name!r}: {problem}"
+        if problem:
+            raise KnobError(problem, key)
+        out[key] = spec.convert(value)
+    return out
+
+
+def make_policy(name: str, artifacts: PolicyArtifacts | None = None, /, **knobs: Any) -> Policy:
+    """A policy by name with its knobs; an unknown name, an unknown knob or a value of the
+    wrong type or out of range raises a ValueError that names it. ``artifacts`` serve the
+    cost-aware policies; by default they are loaded from beside the embedded models."""
+    cls = policy_class(name)
+    checked = validate_knobs(name, knobs)
+    if cls.needs_artifacts:
+        artifacts = artifacts or load_artifacts()
+    return cls.from_knobs(artifacts, **checked)
+
+
+def describe_policies() -> list[dict[str, Any]]:
+    """Every policy with its knobs, as plain JSON (for listings)."""
+    return [{"name": n, "summary": c.summary, "needs_artifacts": c.needs_artifacts,
+             "knobs": [k.describe() for k in c.knobs]} for n, c in POLICIES.items()]  # fmt: skip

@@ -1,0 +1,87 @@
+"""One generation run step by step: how it ends (max tokens, EOS, stop strings) and the
+text it hands out as it grows (for streaming)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeline.decode.types import Generation, SamplingConfig
+
+if TYPE_CHECKING:
+    from pipeline.decode.engine import SpeculativeEngine
+
+
+class GenerationStream:
+    """One generation and how it ends (max tokens, EOS, the first stop string), run by
+    iterating ``deltas()`` (text as it grows, for streaming) or by ``run()``; the result is in
+    ``result``.
+
+    A delta never holds text the finished generation will not: the last len(longest stop) - 1
+    characters are held back (the next step may complete a stop string), as is a trailing
+    U+FFFD (a UTF-8 character split across tokens).
+    """
+
+    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], policy,
+                 max_new_tokens: int, sampling: SamplingConfig | None, seed: int | None,
+                 stop: list[str] | None, stop_at_eos: bool) -> None:  # fmt: skip
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.engine = engine
+        self.prompt_ids = prompt_ids
+        self.policy = policy
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling or SamplingConfig()
+        self.seed = seed
+        self.stop = [s for s in (stop or []) if s]
+        self.stop_at_eos = stop_at_eos
+        self.result: Generation | None = None
+
+    def deltas(self, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
+        """Run step by step, yielding non-empty text deltas whose concatenation is the final
+        ``result.text``; ``cancelled()`` is polled between steps (finish reason "cancelled")."""
+        tok = self.engine.pair.tokenizer
+        eos = tok.eos_token_id if (self.stop_at_eos and tok is not None) else None
+        holdback = max((len(s) for s in self.stop), default=1) - 1
+        emitted = ""
+        with torch.no_grad():
+            session = self.engine.start(self.prompt_ids, self.policy, self.sampling, self.seed)
+            reason = "length"
+            while len(session.generated) < self.max_new_tokens:
+                if cancelled():
+                    reason = "cancelled"
+                    break
+                new = session.step()
+                if eos is not None and eos in new:
+                    reason = "eos"
+                    break
+                if tok is None:
+                    continue
+                text = tok.decode(session.generated[: self.max_new_tokens])
+                if any(s in text for s in self.stop):
+                    reason = "stop"
+                    break
+                safe = text[: len(text) - holdback].rstrip("\ufffd")
+                if len(safe) > len(emitted) and safe.startswith(emitted):
+                    yield safe[len(emitted) :]
+                    emitted = safe
+        out = session.generated[: self.max_new_tokens]
+        if eos is not None and eos in out:
+            out = out[: out.index(eos) + 1]
+        text = tok.decode(out) if tok is not None else ""
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if cuts:
+            text, reason = text[: min(cuts)], "stop"
+        self.result = Generation(out, text, reason, session.steps)
+        if text.startswith(emitted) and len(text) > len(emitted):
+            yield text[len(emitted) :]
+        # (decode() not prefix-stable would leave the stream unable to take text back; the
+        # result still holds the exact final text.)
+
+    def run(self) -> Generation:
+        for _ in self.deltas():
+            pass
+        assert self.result is not None
+        return self.result

@@ -1,0 +1,88 @@
+"""The decoding contract: what a policy proposes, what a step records, what a generation
+returns, and how tokens are sampled. Every other decode module, the policies and serving
+speak these types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next-token distribution(s) after temperature and top-p (float32)."""
+        logits = logits.float()
+        if self.greedy:
+            return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always the top token).
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+@dataclass
+class Candidates:
+    """Draft proposals: node j has token ``tokens[j]`` and parent ``parents[j]`` (-1: the last
+    committed token). ``q[j]`` is the distribution node j was *sampled* from (chain sampling);
+    None for nodes chosen deterministically (argmax / top-b)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q: list[torch.Tensor | None] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == j - 1 for j, p in enumerate(self.parents))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    drafted: int
+    verified: int
+    accepted: int
+    new_tokens: int
+    unique_experts: list[int]  # per MoE layer, over the whole verification pass
+    t_draft_ms: float
+    t_verify_ms: float
+
+    @property
+    def u_bar(self) -> float:
+        return float(np.mean(self.unique_experts))
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "length", "eos", "stop" (or "cancelled": a stream stopped early)
+    steps: list[StepRecord]
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(np.mean([s.accepted for s in self.steps])) if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    candidates: Candidates
+    accepted: int
+    record: StepRecord

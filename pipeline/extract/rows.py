@@ -1,0 +1,195 @@
+"""Per-sequence extraction: the rows of the ``sequences``, ``tokens`` and ``tails`` tables.
+
+For one reference sequence: one teacher-forced target pass (routing of x_0..x_N, and the KV
+cache the tails are verified against), one teacher-forced draft pass (the probability of each
+reference token, the greedy-match flag, and the first junk token's distribution at every
+divergence point), then the junk tails in packed chunks (pipeline.extract.junk_tails).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+from transformers import DynamicCache
+
+from pipeline.data.references import ReferenceSequence
+from pipeline.data.schemas import SEQUENCES_SCHEMA, TAILS_SCHEMA, TOKENS_SCHEMA, experts_array
+from pipeline.extract.junk_tails import TailSpecs, route_tails, sample_tails, tail_specs
+from pipeline.models.loading import ModelPair
+from pipeline.models.routing import forward_with_routing
+
+
+@dataclass
+class ExtractStats:
+    sequences: int = 0
+    reference_tokens: int = 0
+    prompt_tokens: int = 0
+    tail_tokens: int = 0
+    tails: int = 0
+    target_token_forwards: int = 0
+    draft_token_forwards: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: ExtractStats) -> None:
+        for name in (
+            "sequences",
+            "reference_tokens",
+            "prompt_tokens",
+            "tail_tokens",
+            "tails",
+            "target_token_forwards",
+            "draft_token_forwards",
+            "seconds",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class SequenceTables:
+    sequences: pa.Table
+    tokens: pa.Table
+    tails: pa.Table
+    stats: ExtractStats
+
+
+def _chunks(specs: TailSpecs, max_tokens: int) -> list[np.ndarray]:
+    """Consecutive groups of tails holding at most ``max_tokens`` tokens each."""
+    groups, start, total = [], 0, 0
+    for b, length in enumerate(specs.length.tolist()):
+        if total + length > max_tokens and b > start:
+            groups.append(np.arange(start, b))
+            start, total = b, 0
+        total += length
+    if start < len(specs):
+        groups.append(np.arange(start, len(specs)))
+    return groups
+
+
+def _check_sliding_window(pair: ModelPair, length: int) -> None:
+    """Packed tails use one 4D mask for every layer and roll caches back by cropping; a
+    sliding-window layer (GPT-OSS) keeps only its window, so both break past it."""
+    cfg = pair.target.config
+    window = getattr(cfg, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    if sliding and window and length > window:
+        raise ValueError(
+            f"sequence of {length} positions exceeds the target's sliding window ({window}); "
+            "extraction supports sliding-window layers only within the window"
+        )
+
+
+@torch.no_grad()
+def extract_sequence(
+    pair: ModelPair,
+    ref: ReferenceSequence,
+    lmax: int,
+    mode: str,
+    seed: int,
+    chunk_tokens: int = 2048,
+) -> SequenceTables:
+    """All rows for one reference sequence. Deterministic for a given (seed, seq_id)."""
+    _check_sliding_window(pair, len(ref.all_ids) + lmax)
+    device = pair.device
+    ids = torch.tensor([ref.all_ids], device=device)
+    p0 = ref.prompt_len - 1  # absolute index of x_0
+    n = ref.n_tokens
+    ref_tokens = torch.tensor(ref.all_ids[p0:], device=device)  # x_0 .. x_N
+
+    target_cache = DynamicCache(config=pair.target.config)
+    _, routing = forward_with_routing(
+        pair.target, pair.spec, ids, past_key_values=target_cache, use_cache=True
+    )
+    token_routing = routing[0, p0:].to(torch.int16).cpu().numpy()
+
+    draft_cache = DynamicCache(config=pair.draft.config)
+    draft_logits = pair.draft(ids, past_key_values=draft_cache, use_cache=True).logits[0]
+    # Row j of `at` is the draft's prediction after x_j, i.e. for x_{j+1}, j = 0..N-1.
+    at = draft_logits[p0 : p0 + n].float()
+    probs = torch.softmax(at, dim=-1)
+    nxt = ref_tokens[1:]
+    draft_prob = probs.gather(1, nxt.view(-1, 1)).view(-1).cpu().numpy()
+    draft_match = (at.argmax(-1) == nxt).cpu().numpy()
+
+    specs = tail_specs(n, lmax, mode, seed, ref.seq_id)
+    contexts_all = ref.prompt_len + specs.s  # cached positions x_{<=s} a tail may see
+    tail_tokens: list[np.ndarray] = []
+    tail_routing: list[np.ndarray] = []
+    for group in _chunks(specs, chunk_tokens):
+        part = specs.take(group)
+        ctx = contexts_all[group]
+        s_idx = torch.from_numpy(part.s).to(device)
+        tails = sample_tails(pair.draft, draft_cache, probs[s_idx], nxt[s_idx], ctx, part)
+        tail_routing.append(route_tails(pair.target, pair.spec, target_cache, tails, ctx))
+        tail_tokens.extend(tails)
+
+    lengths = specs.length
+    total_tail = int(lengths.sum())
+    reps = lambda col: np.repeat(col, lengths)  # noqa: E731 (per-tail value on every token)
+    r = (
+        np.concatenate([np.arange(1, length + 1) for length in lengths.tolist()])
+        if total_tail
+        else np.zeros(0, dtype=np.int64)
+    )
+
+    def cell_column(values: np.ndarray) -> pa.Array:
+        # Paper-mode tails belong to one (i, k, a) cell; shared ones serve many: null.
+        if mode == "shared":
+            return pa.nulls(total_tail, pa.int32())
+        return pa.array(reps(values), pa.int32())
+
+    tails_table = pa.table(
+        {
+            "seq_id": pa.array([ref.seq_id] * total_tail, pa.string()),
+            "mode": pa.array([mode] * total_tail, pa.string()),
+            "s": pa.array(reps(specs.s), pa.int32()),
+            "r": pa.array(r, pa.int32()),
+            "token_id": pa.array(
+                np.concatenate(tail_tokens) if tail_tokens else np.zeros(0, np.int64), pa.int32()
+            ),
+            "experts": experts_array(
+                np.concatenate(tail_routing)
+                if tail_routing
+                else np.zeros((0, pair.spec.num_moe_layers, pair.spec.top_k), np.int16)
+            ),
+            "i": cell_column(specs.i),
+            "k": cell_column(specs.k),
+            "a": cell_column(specs.a),
+        },
+        schema=TAILS_SCHEMA,
+    )
+    tokens_table = pa.table(
+        {
+            "seq_id": pa.array([ref.seq_id] * (n + 1), pa.string()),
+            "t": pa.array(np.arange(n + 1), pa.int32()),
+            "token_id": pa.array(ref_tokens.cpu().numpy(), pa.int32()),
+            "draft_prob": pa.array([None, *draft_prob.tolist()], pa.float32()),
+            "draft_match": pa.array([None, *draft_match.tolist()], pa.bool_()),
+            "experts": experts_array(token_routing),
+        },
+        schema=TOKENS_SCHEMA,
+    )
+    sequences_table = pa.table(
+        {
+            "seq_id": [ref.seq_id],
+            "category": [ref.category],
+            "prompt_len": [ref.prompt_len],
+            "n_tokens": [n],
+            "source": [ref.source],
+            "prompt_ids": [list(ref.prompt_ids)],
+        },
+        schema=SEQUENCES_SCHEMA,
+    )
+    n_tails = len(specs)
+    stats = ExtractStats(
+        sequences=1,
+        reference_tokens=n,
+        prompt_tokens=ref.prompt_len,
+        tail_tokens=total_tail,
+        tails=n_tails,
+        target_token_forwards=len(ref.all_ids) + total_tail,
+        draft_token_forwards=len(ref.all_ids) + total_tail - n_tails,
+    )
+    return SequenceTables(sequences_table, tokens_table, tails_table, stats)

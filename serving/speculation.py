@@ -1,0 +1,64 @@
+"""The request's ``speculation`` field: which policy, with which knobs. Knob names, types and
+ranges come from the policy registry (pipeline.decode.policies.registry), so every registered
+policy is validated the same way: a wrong type or a value out of range is a 400 naming the
+field, never a failure mid-generation."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.knobs import MAX_STEP_KNOB, describe
+from pipeline.decode.policies.registry import POLICIES, POLICY_NAMES, make_policy
+from serving.errors import RequestError
+
+log = logging.getLogger("ray.serve")
+
+DEFAULT_POLICY = "fixed"  # chain of 4: the best greedy speedup in jobs.bench_online
+DEFAULT_KNOBS: dict[str, Any] = {"k": 4}
+# make_policy(name, [artifacts,] **knobs): a knob with one of these names would bind to
+# make_policy's own parameters, not reach the policy.
+_RESERVED = frozenset({"name", "artifacts"})
+
+
+def build_policy(name: str, knobs: dict[str, Any]) -> Policy:
+    """The policy for a request. Types and the upper bounds are checked here with the knob's
+    own field as ``param``; make_policy then checks names and ranges, and its ValueError
+    becomes a 400 too."""
+    declared = {k.name: k for k in POLICIES[name].knobs} if name in POLICIES else {}
+    for key, value in knobs.items():
+        param = f"speculation.{key}"
+        if not isinstance(value, bool | int | float | str):
+            raise RequestError(
+                f"knob '{key}' must be a number, string or boolean, got {describe(value)}", param
+            )
+        spec = declared.get(key)
+        if spec is None:
+            continue  # unknown: make_policy names it with the policy's knobs
+        problem = spec.type_error(value)
+        if problem:
+            raise RequestError(problem, param)
+        if spec.type is not bool and spec.high is not None and value > spec.high:
+            why = " (one step would draft or verify too many tokens)" if (
+                spec.type is int and spec.high == MAX_STEP_KNOB) else ""  # fmt: skip
+            raise RequestError(
+                f"knob '{key}' = {value} is too large: it must be <= {spec.high:g}{why}", param
+            )
+    reserved = [k for k in knobs if k in _RESERVED]
+    if reserved:
+        raise RequestError(f"unknown knob '{reserved[0]}'", f"speculation.{reserved[0]}")
+    try:
+        return make_policy(name, **knobs)
+    except ValueError as exc:
+        raise RequestError(str(exc), "speculation") from None
+    except Exception as exc:  # e.g. a cost-aware policy's artifacts missing on this server
+        log.warning("cannot build policy %r: %s: %s", name, type(exc).__name__, exc)
+        raise RequestError(
+            f"policy '{name}' is unavailable on this server: {type(exc).__name__}: {exc}",
+            "speculation", status=500, kind="server_error",
+        ) from None  # fmt: skip
+
+
+def policy_names() -> list[str]:
+    return list(POLICY_NAMES)

@@ -1,0 +1,135 @@
+"""The layout holds: every module imports, no import cycle among the project's modules (lazy
+imports inside functions count; imports only for type checking do not), and no module grows
+past about 300 lines without saying why."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+
+import pytest
+
+from pipeline.models.loading import REPO_ROOT
+
+PACKAGES = ("pipeline", "serving", "jobs")
+MAX_LINES = 300
+# Modules allowed past MAX_LINES, each with the one idea that needs the length.
+LONG_MODULES: dict[str, str] = {}
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, known: set[str]) -> set[str]:
+    """The project modules a module imports at run time (at any depth)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                found.add(full if full in known else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in known}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    known = set(modules)
+    graph = {name: _imports(tree, known) - {name} for name, tree in modules.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_is_overlong():
+    long = {}
+    for package in PACKAGES:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            name = str(path.relative_to(REPO_ROOT))
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_LINES and name not in LONG_MODULES:
+                long[name] = lines
+    assert long == {}, f"split these modules (or say in LONG_MODULES why not): {long}"
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_every_module_imports(name):
+    importlib.import_module(name)
+
+
+JOBS = sorted(
+    p.stem for p in (REPO_ROOT / "jobs").glob("*.py") if p.stem not in ("__init__", "cli")
+)
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_job_explains_itself(job, capsys):
+    """`python -m jobs.X --help` works for every job and names how to run it."""
+    module = importlib.import_module(f"jobs.{job}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m jobs.{job}"), out[:200]

@@ -1,0 +1,121 @@
+"""The policy registry is the one source of policy names and knobs: every registered policy is
+built from its declared defaults, decodes losslessly at T = 0, and refuses a knob of the wrong
+type or out of its declared range with an error naming the knob. A policy added to the
+registry is covered here without touching this file."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.cost.model import CostModel
+from pipeline.data.references import greedy_continuation
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.artifacts import PolicyArtifacts
+from pipeline.decode.policies.knobs import Knob, KnobError
+from pipeline.decode.policies.registry import POLICIES, make_policy, validate_knobs
+from pipeline.predictor.model import ExpertMLP, LearnedExpertPredictor
+from tests.test_engine import perturbed_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return perturbed_pair("qwen3_moe", noise=0.3)
+
+
+@pytest.fixture(scope="module")
+def artifacts(pair) -> PolicyArtifacts:
+    torch.manual_seed(0)
+    spec = pair.spec
+    predictor = LearnedExpertPredictor(
+        ExpertMLP(pair.draft.config.vocab_size, pair.draft.config.hidden_size,
+                  spec.num_moe_layers, spec.num_experts),
+        spec.top_k,
+    )  # fmt: skip
+    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
+                     0.001, 0.4, 0.1)  # fmt: skip
+    return PolicyArtifacts(predictor, cost, 500.0)
+
+
+def wrong_type(knob: Knob):
+    """A value of the wrong type for the knob: a float for an int, a string for a float, an
+    int for a bool."""
+    return {int: 2.5, float: "fast", bool: 1}[knob.type]
+
+
+def out_of_range(knob: Knob):
+    """A value of the right type just outside the declared range (None: unbounded)."""
+    if knob.low is not None:
+        return knob.type(knob.low) if knob.low_open else knob.type(knob.low) - 1
+    if knob.high is not None:
+        return knob.type(knob.high) + 1
+    return None
+
+
+ALL_KNOBS = [(name, k) for name, cls in POLICIES.items() for k in cls.knobs]
+
+
+def test_the_registry_lists_every_policy_once_with_typed_bounded_knobs():
+    assert len(POLICIES) == len(set(POLICIES))
+    for name, cls in POLICIES.items():
+        assert cls.name == name and cls.summary, name
+        names = [k.name for k in cls.knobs]
+        assert len(names) == len(set(names)), name
+        for knob in cls.knobs:
+            assert knob.type in (int, float, bool), (name, knob)
+            if knob.type is int:  # every integer knob sizes a step: bounded on both sides
+                assert knob.low is not None and knob.high is not None, (name, knob)
+        if dataclasses.is_dataclass(cls):  # every knob is a constructor field
+            fields = {f.name for f in dataclasses.fields(cls)}
+            assert set(names) <= fields, (name, set(names) - fields)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_builds_from_its_declared_defaults(name, artifacts):
+    cls = POLICIES[name]
+    defaults = {k.name: k.default for k in cls.knobs if k.default is not None}
+    assert validate_knobs(name, defaults) == defaults
+    policy = make_policy(name, artifacts, **defaults)
+    assert isinstance(policy, cls)
+    for key, value in defaults.items():
+        assert getattr(policy, key) == value, (name, key)
+
+
+@pytest.mark.parametrize(("name", "knob"), ALL_KNOBS, ids=[f"{n}.{k.name}" for n, k in ALL_KNOBS])
+def test_a_knob_of_the_wrong_type_or_out_of_range_is_refused_by_name(name, knob, artifacts):
+    with pytest.raises(KnobError, match=f"'{knob.name}'") as wrong:
+        make_policy(name, artifacts, **{knob.name: wrong_type(knob)})
+    assert wrong.value.knob == knob.name
+    bad = out_of_range(knob)
+    if bad is None:
+        return
+    with pytest.raises(KnobError, match=knob.title or knob.name) as outside:
+        make_policy(name, artifacts, **{knob.name: bad})
+    assert outside.value.knob == knob.name
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_an_unknown_knob_is_refused_with_the_policy_s_knobs(name):
+    with pytest.raises(KnobError, match=f"unknown knob 'colour'.*{name!r}|{name!r}.*'colour'"):
+        validate_knobs(name, {"colour": 3})
+
+
+def test_ints_are_taken_for_floats_but_not_bools_for_ints():
+    assert validate_knobs("confidence", {"threshold": 1}) == {"threshold": 1.0}
+    with pytest.raises(KnobError, match="must be an integer, got bool"):
+        validate_knobs("fixed", {"k": True})
+
+
+def test_every_registered_policy_is_lossless_at_temperature_zero(pair, artifacts):
+    engine = SpeculativeEngine(pair)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, size=int(rng.integers(2, 9))).tolist() for _ in range(4)]
+    for name in POLICIES:
+        for prompt in prompts:
+            expected = greedy_continuation(pair.target, prompt, 12, eos_id=None)
+            gen = engine.generate(prompt, make_policy(name, artifacts), max_new_tokens=12,
+                                  stop_at_eos=False)  # fmt: skip
+            assert gen.tokens == expected, (name, prompt)
