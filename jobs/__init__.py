@@ -1,0 +1,1 @@
+"""Command-line entry points: each parses arguments, makes one pipeline call, prints and logs."""

@@ -1,0 +1,1 @@
+"""Prompts, reference sequences, the tables' schemas, sharded Parquet and DuckDB queries."""

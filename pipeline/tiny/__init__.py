@@ -1,0 +1,1 @@
+"""The embedded default models: their offline corpus, training and building."""

@@ -1,0 +1,1 @@
+"""Draft policies behind one interface (base), each registered once with its knobs (registry)."""

@@ -75,12 +75,6 @@ class Knob:
     def convert(self, value: Any) -> Any:
         return float(value) if self.type is float else self.type(value)
 
-    def describe(self) -> dict[str, Any]:
-        """For listings (GET /v1/models): the knob as plain JSON."""
-        return {"name": self.name, "type": self.type.__name__, "default": self.default,
-                "min": self.low, "min_exclusive": self.low_open, "max": self.high,
-                "help": self.help}  # fmt: skip
-
 
 def step_knob(name: str, default: int | None, help: str) -> Knob:
     """An integer knob sizing a step's drafting or verification: 1 .. MAX_STEP_KNOB."""

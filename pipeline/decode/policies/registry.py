@@ -87,9 +87,3 @@ def make_policy(name: str, artifacts: PolicyArtifacts | None = None, /, **knobs:
     if cls.needs_artifacts:
         artifacts = artifacts or load_artifacts()
     return cls.from_knobs(artifacts, **checked)
-
-
-def describe_policies() -> list[dict[str, Any]]:
-    """Every policy with its knobs, as plain JSON (for listings)."""
-    return [{"name": n, "summary": c.summary, "needs_artifacts": c.needs_artifacts,
-             "knobs": [k.describe() for k in c.knobs]} for n, c in POLICIES.items()]  # fmt: skip
