@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 
 from jobs.cli import add_model_args, parser, run
+from pipeline.bench.tail_modes import compare_tail_modes, format_comparison
 from pipeline.data.prompts import load_prompts
 from pipeline.data.references import build_references
-from pipeline.extract.bench import compare_tail_modes, format_comparison
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run
 

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype)
     artifacts = load_artifacts(args.predictor, args.costmodel, args.policy, str(pair.device))
+    # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
+    artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")
     artifacts.check_target(pair.spec.num_moe_layers, pair.spec.num_experts)
     prompts = [encode(pair.tokenizer, p.text, keep_last=512)
                for p in load_prompts(args.source, args.limit)]  # fmt: skip

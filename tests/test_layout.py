@@ -98,6 +98,19 @@ def test_no_import_cycles():
     assert _cycles(graph) == []
 
 
+def test_the_library_never_imports_its_users():
+    """pipeline is the library: serving and jobs sit on it, never under it; serving is thin
+    over pipeline and no job."""
+    modules = _modules()
+    known = set(modules)
+    for name, tree in modules.items():
+        used = {m.split(".")[0] for m in _imports(tree, known)}
+        if name.startswith("pipeline"):
+            assert used <= {"pipeline"}, (name, used)
+        if name.startswith("serving"):
+            assert "jobs" not in used, name
+
+
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]

@@ -82,6 +82,25 @@ def test_every_policy_builds_from_its_declared_defaults(name, artifacts):
     assert isinstance(policy, cls)
     for key, value in defaults.items():
         assert getattr(policy, key) == value, (name, key)
+    built = make_policy(name, artifacts)  # no knobs: the class's own defaults
+    for key, value in defaults.items():
+        assert getattr(built, key) == value, (name, key, "declared default differs")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_direct_construction_is_checked_like_make_policy(name, artifacts):
+    cls = POLICIES[name]
+    for knob in cls.knobs:
+        bad = out_of_range(knob)
+        if bad is None or not dataclasses.is_dataclass(cls) or cls.needs_artifacts:
+            continue
+        with pytest.raises(KnobError, match=knob.title or knob.name):
+            cls(**{knob.name: bad})
+
+
+def test_an_integer_beyond_float_range_is_not_finite():
+    with pytest.raises(KnobError, match="must be finite"):
+        validate_knobs("confidence", {"threshold": 10**400})
 
 
 @pytest.mark.parametrize(("name", "knob"), ALL_KNOBS, ids=[f"{n}.{k.name}" for n, k in ALL_KNOBS])

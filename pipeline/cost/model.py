@@ -98,5 +98,5 @@ class CostModel:
         try:
             model = cls.from_json(data)
         except ValueError as exc:
-            raise ValueError(f"{path} is not a costmodel.json: {exc}") from exc
+            raise ValueError(f"{path}: {exc}") from exc
         return model if need_m is None else model.require_m(need_m, purpose)

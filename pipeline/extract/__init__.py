@@ -1,2 +1,2 @@
 """Extraction (DESIGN sections 3-4): per-sequence rows, junk tails, keyed randomness, the Ray
-Data job, the routing profile and the benchmark of the two tail modes."""
+Data job and the routing profile."""

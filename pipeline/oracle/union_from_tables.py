@@ -29,7 +29,3 @@ def sequence_union_table(tokens: pa.Table, tails: pa.Table, spec: MoESpec, lmax:
     if modes == {"paper"}:
         return union_table_paper(token_masks, tail_masks, col("i"), col("k"), col("a"), lmax)
     return union_table_shared(token_masks, tail_masks, col("s"), col("r"), lmax)
-
-
-def rows_of(table: pa.Table, seq_id: str) -> pa.Table:
-    return table.filter(pc.equal(table.column("seq_id"), seq_id))

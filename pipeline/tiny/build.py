@@ -130,8 +130,7 @@ def write_models(
     (tmp / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     size = directory_size_bytes(tmp)
     if size > MAX_MODELS_BYTES:
-        # SystemExit, as when this lived in the job: the message alone, exit status 1.
-        raise SystemExit(f"models take {size / 2**20:.1f} MiB, over the 24 MiB budget")
+        raise ValueError(f"models take {size / 2**20:.1f} MiB, over the 24 MiB budget")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return size

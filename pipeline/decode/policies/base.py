@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.knobs import Knob
+from pipeline.decode.policies.knobs import Knob, KnobError
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:
@@ -28,6 +28,17 @@ class Policy:
     def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
         """The policy from validated knobs (the registry checked names, types and ranges)."""
         return cls(**knobs)
+
+    def __post_init__(self) -> None:
+        """Dataclass policies built directly (not through make_policy) are checked against the
+        same declared knobs; a knob left None is resolved by the policy itself."""
+        for knob in self.knobs:
+            value = getattr(self, knob.name, None)
+            if value is None:
+                continue
+            problem = knob.type_error(value) or knob.range_error(value)
+            if problem:
+                raise KnobError(f"{self.name}: {problem}", knob.name)
 
     def reset(self) -> None:
         """Called at the start of every generation."""

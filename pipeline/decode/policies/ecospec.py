@@ -111,4 +111,4 @@ class EcoSpecGlobalPolicy(EcoSpecPolicy):
     use_buffer: bool = False
     name = "ecospec-global"
     summary = "EcoSpec's static ablation: P(path) / (|E_traj| + eps), no buffer"
-    knobs = EcoSpecPolicy.knobs[:-1]  # no buffer to switch on
+    knobs = tuple(k for k in EcoSpecPolicy.knobs if k.name != "use_buffer")  # no buffer here

@@ -20,6 +20,13 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float range, e.g. 10**400 from JSON
+        return False
+
+
 class KnobError(ValueError):
     """A knob value a policy refuses; ``knob`` names it (None: the set of knobs is wrong)."""
 
@@ -54,8 +61,8 @@ class Knob:
         else:
             ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
             want = "a number"
-            if ok and not math.isfinite(value):
-                return f"knob '{self.name}' must be finite, got {value}"
+            if ok and not _finite(value):
+                return f"knob '{self.name}' must be finite, got {describe(value)}"
         return None if ok else f"knob '{self.name}' must be {want}, got {describe(value)}"
 
     def range_error(self, value: Any) -> str | None:

@@ -97,17 +97,16 @@ class MarginalPolicy(Policy):
                    **knobs)  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.lam <= 0:
-            raise ValueError(f"marginal: lambda must be > 0, got {self.lam}")
+        super().__post_init__()  # lambda > 0, max_k in range when given
         if self.max_k is None:
             self.max_k = min(DEFAULT_MAX_K, self.cost.max_m - 1)
         if self.max_k < 1:
             raise ValueError(f"marginal: max_k must be >= 1, got {self.max_k}")
-        if self.cost.missing_m(range(1, self.max_k + 2)):
+        need = range(1, self.max_k + 2)
+        if self.cost.missing_m(need):
             raise ValueError(
                 f"marginal: max_k must lie in [1, {self.cost.max_m - 1}] (the cost model's "
-                f"largest m - 1), got {self.max_k}: "
-                + self.cost.missing_m_message(range(1, self.max_k + 2))
+                f"largest m - 1), got {self.max_k}: " + self.cost.missing_m_message(need)
             )
         # Kept across generations: what it learns about the draft carries over.
         self.acceptance = AcceptanceCalibrator()

@@ -14,7 +14,7 @@ from typing import Any
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy
-from pipeline.decode.policies.knobs import Knob, KnobError
+from pipeline.decode.policies.knobs import KnobError
 from pipeline.decode.policies.marginal import MarginalPolicy
 from pipeline.decode.policies.simple import (
     AutoregressivePolicy,
@@ -44,10 +44,6 @@ def policy_class(name: str) -> type[Policy]:
     if name not in POLICIES:
         raise KnobError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     return POLICIES[name]
-
-
-def knob(name: str, knob_name: str) -> Knob | None:
-    return next((k for k in policy_class(name).knobs if k.name == knob_name), None)
 
 
 def validate_knobs(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
