@@ -1,5 +1,6 @@
 """Junk-tail modes compared on the same sequences in one run: `paper` (an independent tail per
-(i, k, a), the paper's literal procedure) against `shared` (one tail per divergence point).
+(i, k, a), the paper's literal procedure) against `shared` (one tail per divergence point), on
+one set of tails (surrogate acceptance, one draw; jobs.extract's default extracts 5 such sets).
 
 Prints wall time, target token-forwards per reference token and the mean of U(i, k, a) under
 each mode (they must agree: both give every cell a correctly distributed tail), and the ratios.
@@ -22,7 +23,11 @@ from pipeline.tracking import tracked_run
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_extract", __doc__)
     add_model_args(p, experts=False)
-    p.add_argument("--source", default="humaneval")
+    p.add_argument(
+        "--source",
+        default="humaneval",
+        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+    )
     p.add_argument("--limit", type=int, default=8, help="sequences (8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")
     p.add_argument("--lmax", type=int, default=8)

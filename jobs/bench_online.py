@@ -19,7 +19,8 @@ import argparse
 from pathlib import Path
 
 from jobs.cli import add_model_args, parser, run
-from pipeline.bench.online import BenchRow, format_online_bench, run_online_bench
+from pipeline.bench.online import BenchRow, run_online_bench
+from pipeline.bench.scoring import format_online_bench
 from pipeline.data.prompts import encode, load_prompts
 from pipeline.decode.policies.artifacts import (
     DEFAULT_COSTMODEL,
@@ -34,7 +35,11 @@ from pipeline.tracking import tracked_run
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_online", __doc__)
     add_model_args(p, experts=False)
-    p.add_argument("--source", default="humaneval")
+    p.add_argument(
+        "--source",
+        default="humaneval",
+        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+    )
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
@@ -43,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="the oracle's policy.json")
     p.add_argument("--lmax", type=int, default=12, help="Lmax of the bound (12)")
     p.add_argument("--quick", action="store_true", help="only ar, fixed(k=2) and marginal")
+    p.add_argument(
+        "--allow-costmodel-mismatch",
+        action="store_true",
+        help="use a cost model measured on another device, dtype, experts implementation or "
+        "checkpoints (its prices then describe that other setting)",
+    )
     args = p.parse_args(argv)
     if args.limit < 1 or args.max_new_tokens < 1 or args.lmax < 1:
         p.error("--limit, --max-new-tokens and --lmax must be >= 1")
@@ -55,7 +66,7 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     artifacts = load_artifacts(args.predictor, args.costmodel, args.policy, str(pair.device))
     # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
     artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")
-    artifacts.check_target(pair.spec.num_moe_layers, pair.spec.num_experts)
+    artifacts.check_pair(pair, allow_mismatch=args.allow_costmodel_mismatch)
     prompts = [encode(pair.tokenizer, p.text, keep_last=512)
                for p in load_prompts(args.source, args.limit)]  # fmt: skip
     result = run_online_bench(

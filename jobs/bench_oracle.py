@@ -1,6 +1,8 @@
 """Speed of the oracle's arithmetic: U(i, k, a) with bitmask unions and the Bellman DP for many
 sequences, on synthetic extraction tables shaped like the embedded target (6 MoE layers, 32
-experts, top-4), in one run.
+experts, top-4), in one run. Per sequence it does what jobs.oracle does: a U table per
+(acceptance, draw) of junk tails, then the DP for every Lmax, acceptance rule and plain-step
+setting, with visitation and cross-fitting.
 
     python -m jobs.bench_oracle --sequences 100 --tokens 512 --lmax 12
 """

@@ -27,7 +27,11 @@ from serving.bench import ServeBenchSettings, format_serve_bench, run_serve_benc
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_serve", __doc__)
     add_model_args(p, experts=False)
-    p.add_argument("--source", default="humaneval", help="humaneval or a JSONL prompt file")
+    p.add_argument(
+        "--source",
+        default="humaneval",
+        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+    )
     p.add_argument("--limit", type=int, default=16, help="number of prompts")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent HTTP clients")

@@ -1,11 +1,15 @@
 """Calibrate the verification-cost model on this device from timed speculative rounds.
 
 Runs greedy speculative decoding with a fixed chain of K draft tokens for every K in --ks
-(K = 0: plain one-token steps, the m = 1 rounds the autoregressive baseline needs) over a
-prompt set, writes the `rounds` table, fits T_T = beta0(m) + alpha(m) U + c L (clustered by
-generation, GroupKFold(5) out-of-sample metrics), the pooled linear-K model, the draft line
-T_D = a K + b and factor importance, and writes costmodel.json, per-K summaries (DuckDB,
-sql/calibration_per_k.sql) and plots. Everything is logged to MLflow.
+(K = 0: plain one-token steps, the m = 1 rounds the autoregressive baseline needs) and, for
+every K in --look-ks, look rounds (K tokens, then one more draft distribution looked at
+before stopping, as policies that decide from the next distribution do: K + 1 draft forwards)
+over a prompt set, writes the `rounds` table, fits T_T = beta0(m) + alpha(m) U + c L
+(clustered by generation, GroupKFold(5) out-of-sample metrics), the pooled linear-K model, the
+draft line T_D = a n + b over n draft forwards and factor importance, and writes costmodel.json
+(with the device, dtype, experts implementation and checkpoint fingerprints it was measured
+on, which every user of it checks), per-K summaries (DuckDB, sql/calibration_per_k.sql) and
+plots. Everything is logged to MLflow.
 
     python -m jobs.calibrate --limit 8 --ks 0-8 --out out/calibration
     ray job submit --working-dir . -- python -m jobs.calibrate --out /abs/path/calibration
@@ -27,9 +31,17 @@ from pipeline.tracking import tracked_run, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.calibrate", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL prompt file")
+    p.add_argument(
+        "--source",
+        default="humaneval",
+        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+    )
     p.add_argument("--limit", type=int, default=8, help="prompts (8)")
     p.add_argument("--ks", type=parse_ks, default=parse_ks("0-10"), help="budgets K (0-10)")
+    p.add_argument("--look-ks", default=None,
+                   help="budgets K that also get look rounds (K + 1 draft forwards), among "
+                        "--ks; 'none' for none (default: every other K of --ks from the "
+                        "smallest: 0,2,4,... for 0-10)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="discarded warm-up per K")
     p.add_argument(
@@ -44,6 +56,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--limit must be >= 2 (the fit clusters and cross-validates by generation)")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    if args.look_ks is None:
+        args.look_ks = args.ks[::2]
+    elif args.look_ks.strip().lower() == "none":
+        args.look_ks = []
+    else:
+        try:
+            args.look_ks = parse_ks(args.look_ks)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"--look-ks: {exc}")
+        if set(args.look_ks) - set(args.ks):
+            p.error(f"--look-ks {args.look_ks} must be among --ks {args.ks}")
     return args
 
 
@@ -52,9 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     prompts = load_prompts(args.source, args.limit)
     print(f"calibrating on {pair.device} ({pair.dtype}, experts={pair.experts_implementation}): "
-          f"{len(prompts)} prompts x K in {args.ks}", flush=True)  # fmt: skip
+          f"{len(prompts)} prompts x K in {args.ks}, looks at K in {args.look_ks}",
+          flush=True)  # fmt: skip
     result = run_calibration(pair, prompts, args.ks, args.max_new_tokens, args.warmup_tokens,
-                             args.out, args.repeats)  # fmt: skip
+                             args.out, args.repeats, args.look_ks)  # fmt: skip
     params = {**{k: str(v) for k, v in vars(args).items()}, **result.meta}
     with tracked_run("calibrate", params=params) as tracked:
         tracked.log_metrics(fit_metrics(result.fit, result.rounds))

@@ -1,9 +1,21 @@
 """Extract what the oracle needs from reference sequences, sharded over a Ray cluster.
 
-For every reference sequence: the draft's probability of each reference token, the experts the
-target's router selected for it, and the target's routing of counterfactual junk tails
-(DESIGN sections 3-4), written as Parquet tables sequences/, tokens/, tails/ under --out.
+For every reference sequence: the draft's and the target's probabilities of each reference token
+(at --temperature), the experts the target's router selected for it, and the target's routing of
+counterfactual junk tails (DESIGN sections 3-4), written as Parquet tables sequences/, tokens/,
+tails/ under --out.
 Resumable: a rerun with the same parameters skips the shards already written.
+
+Junk tails (what the verifier is shown after the chain matched x_1..x_s and failed at x_{s+1})
+come in one set per acceptance rule the oracle can bound, and per independent draw:
+  surrogate  the paper's: y_1 from the draft at x_<=s with x_{s+1} removed, then draft samples
+  greedy     T = 0 speculation: the draft's argmax at x_<=s, then its greedy continuation
+             (deterministic: one draw only)
+  sampling   speculative sampling at --temperature: y_1 from the rejected proposals
+             norm(max(q - pi, 0)), then draft samples
+Cost: every (acceptance, draw) set holds about N * Lmax tail tokens per sequence of N tokens in
+shared mode (N * Lmax^3 / 6 in paper mode), each routed by the target and drafted by the draft;
+the default (3 acceptances, 2 draws: 5 sets) costs 5x the tails of a single set.
 
     python -m jobs.extract --source humaneval --limit 16 --out out/extract
     ray job submit --working-dir . -- python -m jobs.extract --source humaneval --limit 16
@@ -12,11 +24,12 @@ Resumable: a rerun with the same parameters skips the shards already written.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from jobs.cli import add_model_args, parser, ray_session, run
 from pipeline.data.prompts import load_prompts
-from pipeline.extract.junk_tails import TAIL_MODES
+from pipeline.extract.junk_tails import ACCEPTANCES, TAIL_MODES, draws_per_acceptance
 from pipeline.extract.ray_pipeline import ExtractConfig, run_extraction
 from pipeline.tracking import tracked_run, tracking_uri
 
@@ -24,14 +37,44 @@ from pipeline.tracking import tracked_run, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.extract", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL prompt file")
+    p.add_argument(
+        "--source",
+        default="humaneval",
+        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+    )
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--out", type=Path, default=Path("out/extract"), help="output directory")
     p.add_argument("--lmax", type=int, default=8, help="largest draft length to price (8)")
     p.add_argument("--tail-mode", choices=TAIL_MODES, default="shared", help="junk-tail sampling")
     p.add_argument("--seed", type=int, default=0, help="seed of the junk-tail sampling")
+    p.add_argument(
+        "--acceptance",
+        default=",".join(ACCEPTANCES),
+        help="comma list of junk-tail sets to extract (default: all): surrogate for the "
+        "paper's bound, greedy for T = 0 speculation, sampling for speculative sampling; "
+        "each set costs about N * Lmax tail tokens per sequence and draw",
+    )
+    p.add_argument(
+        "--draws",
+        type=int,
+        default=2,
+        help="independent tail draws per acceptance (2; greedy always 1): the oracle chooses "
+        "k* on one draw and prices it on another (cross-fitting); each draw is another "
+        "N * Lmax tail tokens per sequence",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="temperature of draft_prob, target_prob and the sampled tails (1.0); "
+        "greedy tails do not depend on it",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="reference length budget")
-    p.add_argument("--use-given", action="store_true", help="use the source's references")
+    p.add_argument(
+        "--use-given",
+        action="store_true",
+        help="use the source's references (the first turn's; of a list of answers, the first)",
+    )
     p.add_argument("--shard-size", type=int, default=4, help="sequences per shard (4)")
     p.add_argument("--actors", type=int, default=None, help="actor pool size (default: auto)")
     p.add_argument("--cpus-per-actor", type=float, default=None, help="CPU actors' num_cpus")
@@ -50,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
+    args.acceptance = tuple(a.strip() for a in args.acceptance.split(",") if a.strip())
+    try:
+        draws_per_acceptance(args.acceptance, args.draws)
+    except ValueError as err:
+        p.error(f"--acceptance/--draws: {err}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        p.error("--temperature must be a positive number")
     return args
 
 
@@ -69,6 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         experts_implementation=args.experts_implementation,
         threads=args.threads,
+        acceptances=args.acceptance,
+        draws=args.draws,
+        temperature=args.temperature,
     )
     with (
         ray_session(args.address, args.num_cpus),

@@ -6,20 +6,31 @@ writes decisions.parquet and summary.parquet (DESIGN section 4), lmax_sweep.csv/
 delta_space.png, policy.json (lambda, for the online `marginal` policy) and
 ablation_alpha0.json under --out. Sequences are solved in parallel Ray tasks.
 
+summary.parquet and the printed table cover every acceptance rule the extraction has tails for
+(greedy, sampling, surrogate), with and without the plain step (k = 0), in-sample (the bound)
+and cross-fitted (k* chosen on one tail draw, priced on another: the achievable estimate).
+--acceptance and --no-plain-step select the configuration of decisions.parquet, delta space,
+lambda (policy.json) and the ablation.
+
     python -m jobs.oracle --extract out/extract --costmodel out/calibration/costmodel.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+
+import pandas as pd
 
 from jobs.cli import parse_ks, ray_session, run
 from pipeline.cost.model import CostModel
+from pipeline.cost.provenance import manifest_provenance
 from pipeline.models.adapters import moe_spec
 from pipeline.models.loading import DEFAULT_TARGET, load_config, load_tokenizer
-from pipeline.oracle.fanout import ACCEPTANCE_MODES, extraction_lmax
-from pipeline.oracle.study import format_study, run_study
+from pipeline.oracle.fanout import OracleConfig
+from pipeline.oracle.inputs import ACCEPTANCE_MODES, extraction_lmax
+from pipeline.oracle.study import StudyResult, format_study, run_study
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -42,11 +53,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--acceptance",
         choices=ACCEPTANCE_MODES,
         default="surrogate",
-        help="P(a|k) from draft probabilities, or exact greedy matches",
+        help="acceptance rule of the decisions, delta space and lambda: surrogate (r_j = draft "
+        "probability, the paper's; the units the online marginal rule measures progress in, so "
+        "the default), greedy (r_j = draft argmax matches, exact at T = 0) or sampling "
+        "(r_j = min(1, draft prob / target prob), speculative sampling at the extraction's T); "
+        "each is priced with its own junk tails. The summary covers all three regardless",
+    )
+    p.add_argument(
+        "--no-plain-step",
+        dest="plain_step",
+        action="store_false",
+        help="the selected configuration drafts k >= 1 at every state (the paper's); by default "
+        "k = 0, a plain step, is an action too, so the bound is >= 1",
     )
     p.add_argument("--out", type=Path, default=Path("out/oracle"))
+    p.add_argument(
+        "--allow-costmodel-mismatch",
+        action="store_true",
+        help="price with a cost model measured on other checkpoints, dtype or experts "
+        "implementation than the extraction's (refused by default)",
+    )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     return p.parse_args(argv)
+
+
+def study_metrics(result: StudyResult) -> dict[str, float]:
+    """MLflow metrics: the headline (selected configuration, in-sample) keeps its old names
+    (speedup_lmaxL, mean_k_lmaxL); every variant is speedup_<acceptance>_<k0|k1>_lmaxL and
+    speedup_crossfit_<acceptance>_<k0|k1>_lmaxL (k0: the plain step available)."""
+    selected = result.selected()
+    metrics = {f"speedup_lmax{int(r.lmax)}": r.speedup_bound for r in selected.itertuples()}
+    metrics.update({f"mean_k_lmax{int(r.lmax)}": r.mean_draft_len for r in selected.itertuples()})
+    overall = result.sweep[result.sweep["category"] == "all"]
+    for r in overall.itertuples():
+        tag = f"{r.acceptance}_{'k0' if r.plain_step else 'k1'}_lmax{int(r.lmax)}"
+        metrics[f"speedup_{tag}"] = r.speedup_bound
+        if not pd.isna(r.speedup_crossfit):
+            metrics[f"speedup_crossfit_{tag}"] = r.speedup_crossfit
+    metrics.update({f"delta_{k}": v for k, v in result.delta.items() if v is not None})
+    metrics.update(ablation_share_changed=result.ablation["share_changed"])
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -58,24 +104,24 @@ def main(argv: list[str] | None = None) -> dict:
     if max(lmaxes) > extracted or min(lmaxes) < 1:
         raise ValueError(f"Lmax sweep {lmaxes} must lie in 1..{extracted} (the extraction's Lmax)")
     decisions_lmax = args.decisions_lmax or max(lmaxes)
+    manifest = json.loads((args.extract / "manifest.json").read_text())
+    # The bound prices the extraction's routing with this cost model: both must come from the
+    # same checkpoints, dtype and experts implementation.
     model = CostModel.load(
-        args.costmodel, range(1, max(lmaxes) + 2), f"the oracle at Lmax {max(lmaxes)}"
-    )
+        args.costmodel, range(1, max(lmaxes) + 2), f"the oracle at Lmax {max(lmaxes)}",
+        provenance=manifest_provenance(manifest), allow_mismatch=args.allow_costmodel_mismatch,
+    )  # fmt: skip
     spec = moe_spec(load_config(args.target))
     tokenizer = load_tokenizer(args.target)
     with ray_session(num_cpus=args.num_cpus):
         params = {**{k: str(v) for k, v in vars(args).items()}, "lmax_sweep": str(lmaxes)}
         with tracked_run("oracle", params=params) as run:
             result = run_study(
-                args.extract, model, spec, lmaxes, decisions_lmax, args.out, args.acceptance,
+                args.extract, model, spec, lmaxes, decisions_lmax, args.out,
+                OracleConfig(args.acceptance, args.plain_step),
                 decode=lambda ids: tokenizer.decode(ids),
             )  # fmt: skip
-            overall = result.sweep[result.sweep["category"] == "all"]
-            metrics = {f"speedup_lmax{int(r.lmax)}": r.speedup_bound for r in overall.itertuples()}
-            metrics.update({f"mean_k_lmax{int(r.lmax)}": r.mean_draft_len
-                            for r in overall.itertuples()})  # fmt: skip
-            metrics.update({f"delta_{k}": v for k, v in result.delta.items() if v is not None})
-            metrics.update(ablation_share_changed=result.ablation["share_changed"])
+            metrics = study_metrics(result)
             run.log_metrics(metrics)
             for path in result.paths.values():
                 run.log_artifact(str(path))

@@ -28,11 +28,17 @@ from pipeline.tracking import tracked_run, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.profile_routing", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="humaneval", help="'humaneval' or a JSONL file")
+    p.add_argument(
+        "--source",
+        default="humaneval",
+        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+    )
     p.add_argument("--limit", type=int, default=24, help="number of prompts (default 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="reference length budget")
     p.add_argument(
-        "--use-given", action="store_true", help="use the source's references when present"
+        "--use-given",
+        action="store_true",
+        help="use the source's references when present (the first turn's; of a list, the first)",
     )
     p.add_argument("--max-window", type=int, default=8, help="largest window (default 8)")
     p.add_argument("--out", type=Path, default=Path("out/profile"), help="output directory")

@@ -31,6 +31,7 @@ from ray.serve import Application
 
 from pipeline.data.prompts import encode
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.stats import speculation_stats
 from pipeline.decode.types import Generation, SamplingConfig
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
@@ -68,6 +69,9 @@ class AppArgs(BaseModel):
     num_cpus: float = Field(1.0, ge=0)  # <= 1 on small machines: the proxy needs a core
     num_gpus: float | None = Field(None, ge=0)  # None: 1 if this machine has CUDA, else 0
     max_ongoing_requests: int = Field(8, ge=1)
+    # The committed cost model was measured on one device/dtype/experts implementation and
+    # checkpoint pair; cost-aware policies refuse other settings unless this is set.
+    allow_costmodel_mismatch: bool = False
 
 
 @dataclass
@@ -99,6 +103,17 @@ class SpecboundServer:
         self.pair = load_pair(args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT,
                               args.device, args.dtype)  # fmt: skip
         self.engine = SpeculativeEngine(self.pair)
+        # The cost-aware policies' artifacts, checked against this pair once; if they are
+        # missing or were measured elsewhere, those policies answer a 500 naming why (the
+        # others keep serving).
+        self.artifacts: PolicyArtifacts | None = None
+        self.artifacts_error: str | None = None
+        try:
+            self.artifacts = load_artifacts(device=str(self.pair.device))
+            self.artifacts.check_pair(self.pair, args.allow_costmodel_mismatch)
+        except (OSError, ValueError) as exc:
+            self.artifacts, self.artifacts_error = None, f"{type(exc).__name__}: {exc}"
+            log.warning("cost-aware policies unavailable: %s", self.artifacts_error)
         self.tokenizer = self.pair.tokenizer
         self.context = min(
             getattr(m.config, "max_position_embeddings", None) or 1 << 30
@@ -171,7 +186,7 @@ class SpecboundServer:
         ids = encode(self.tokenizer, req.prompt)
         check_lengths(len(ids), req.max_tokens, self.context, self.args.max_tokens_limit)
         name, knobs = req.speculation_spec
-        policy = build_policy(name, knobs)
+        policy = build_policy(name, knobs, self.artifacts, self.artifacts_error)
         # Without a seed every request samples differently (the engine would default to 0).
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return Job(req, ids, policy, name, knobs, seed)

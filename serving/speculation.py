@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import MAX_STEP_KNOB, describe
-from pipeline.decode.policies.registry import POLICIES, POLICY_NAMES, make_policy
+from pipeline.decode.policies.registry import POLICIES, POLICY_NAMES, make_policy, validate_knobs
 from serving.errors import RequestError
 
 log = logging.getLogger("ray.serve")
@@ -22,10 +23,16 @@ DEFAULT_KNOBS: dict[str, Any] = {"k": 4}
 _RESERVED = frozenset({"name", "artifacts"})
 
 
-def build_policy(name: str, knobs: dict[str, Any]) -> Policy:
+def build_policy(
+    name: str,
+    knobs: dict[str, Any],
+    artifacts: PolicyArtifacts | None = None,
+    unavailable: str | None = None,
+) -> Policy:
     """The policy for a request. Types and the upper bounds are checked here with the knob's
     own field as ``param``; make_policy then checks names and ranges, and its ValueError
-    becomes a 400 too."""
+    becomes a 400 too. ``artifacts`` (checked against the served pair at startup) serve the
+    cost-aware policies; ``unavailable`` says why there are none (a server fault: 500)."""
     declared = {k.name: k for k in POLICIES[name].knobs} if name in POLICIES else {}
     for key, value in knobs.items():
         param = f"speculation.{key}"
@@ -49,7 +56,14 @@ def build_policy(name: str, knobs: dict[str, Any]) -> Policy:
     if reserved:
         raise RequestError(f"unknown knob '{reserved[0]}'", f"speculation.{reserved[0]}")
     try:
-        return make_policy(name, **knobs)
+        validate_knobs(name, knobs)  # a bad request is a 400 even where the policy is down
+    except ValueError as exc:
+        raise RequestError(str(exc), "speculation") from None
+    if POLICIES[name].needs_artifacts and artifacts is None and unavailable:
+        raise RequestError(f"policy '{name}' is unavailable on this server: {unavailable}",
+                           "speculation", status=500, kind="server_error")  # fmt: skip
+    try:
+        return make_policy(name, artifacts, **knobs)
     except ValueError as exc:
         raise RequestError(str(exc), "speculation") from None
     except Exception as exc:  # e.g. a cost-aware policy's artifacts missing on this server

@@ -1,8 +1,11 @@
 -- Per-budget summary of timed verification rounds (the `rounds` table).
--- K = 0 rows are plain autoregressive steps (m = 1).
+-- K = 0 rows are plain autoregressive steps (m = 1); a row with draft_forwards = K + 1 summarises
+-- look rounds (K tokens, then one more draft distribution looked at before stopping).
 SELECT
     k,
     m,
+    draft_forwards,
+    draft_forwards > k                         AS look,
     count(*)                                   AS rounds,
     count(DISTINCT gen_id)                     AS generations,
     avg(t_target_ms)                           AS mean_t_target_ms,
@@ -16,5 +19,5 @@ SELECT
     avg(accepted)                              AS mean_accepted,
     avg(accepted + 1) / avg(t_target_ms + t_draft_ms) AS tokens_per_ms
 FROM rounds
-GROUP BY k, m
-ORDER BY k;
+GROUP BY k, m, draft_forwards
+ORDER BY k, draft_forwards;

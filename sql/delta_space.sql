@@ -1,14 +1,18 @@
 -- Delta space (the paper's section 5.2) over the `decisions` table: for every state, every
--- rejected budget k against the optimal k*, the change in expected progress and in expected
--- round cost, in time (ms) and in experts (U).
+-- rejected budget k != k* (k = 0, the plain step, included when it was available) against the
+-- optimal k*, the change in expected progress and in expected round cost, in time (ms) and in
+-- experts (U). One decisions table holds one configuration; the join keys keep them apart.
 WITH best AS (
-    SELECT seq_id, lmax, i, k AS k_star, e_accept, e_cost_ms, e_experts, visit
+    SELECT seq_id, lmax, acceptance, plain_step, i, k AS k_star, e_accept, e_cost_ms,
+           e_experts, visit
     FROM decisions
     WHERE chosen
 )
 SELECT
     d.seq_id,
     d.lmax,
+    d.acceptance,
+    d.plain_step,
     d.i,
     d.k,
     b.k_star,
@@ -27,5 +31,5 @@ SELECT
         ELSE 'IV'
     END                         AS quadrant
 FROM decisions AS d
-JOIN best AS b USING (seq_id, lmax, i)
+JOIN best AS b USING (seq_id, lmax, acceptance, plain_step, i)
 WHERE NOT d.chosen;

@@ -1,6 +1,7 @@
 -- Quadrant counts of delta space and the boundary slope lambda: the 1st percentile of
 -- d_cost / d_accept among rejected alternatives with d_accept > 0, in ms and in experts per
--- token of expected progress. Reads the `deltas` table (the result of delta_space.sql).
+-- token of expected progress (plain-step alternatives, k = 0 < k*, have d_accept < 0 and do not
+-- enter the slope). Reads the `deltas` table (the result of delta_space.sql).
 SELECT
     count(*)                                               AS alternatives,
     count(*) FILTER (WHERE quadrant = 'I')                 AS quadrant_i,

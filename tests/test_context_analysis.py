@@ -29,14 +29,17 @@ def test_class_table_shares_and_intervals():
     rows = []
     for seq in range(20):
         for i in range(30):
-            label = "identifier" if i % 2 else "code structure"
-            k = 1 if label == "identifier" else int(rng.integers(4, 8))
+            label = ("identifier", "code structure", "prose word")[i % 3]
+            k = {"identifier": 1, "prose word": 0}.get(label, int(rng.integers(4, 8)))
             rows.append({"seq_id": f"s{seq}", "label": label, "k_star": k})
     table = class_table(pd.DataFrame(rows), reps=200).set_index("class")
     assert table.loc["identifier", "share_k1"] == 1.0
     assert table.loc["code structure", "share_k4"] == 1.0
     assert table.loc["code structure", "share_k1"] == 0.0
     assert table.loc["identifier", "k1_lo"] <= 1.0 <= table.loc["identifier", "k1_hi"]
+    # k* = 0 (a plain step) is its own share, not counted as k* = 1.
+    assert table.loc["prose word", "share_k0"] == 1.0
+    assert table.loc["prose word", "share_k1"] == table.loc["identifier", "share_k0"] == 0.0
 
 
 def test_new_experts_counts_fresh_experts_per_layer():

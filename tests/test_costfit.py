@@ -16,25 +16,33 @@ TRUE_ALPHA = {1: 0.0, 2: 0.08, 3: 0.08, 4: 0.09, 5: 0.26, 6: 0.27}
 TRUE_C, DRAFT_A, DRAFT_B = 0.0011, 0.46, 0.07
 
 
-def synthetic_rounds(seed: int = 0, generations: int = 40) -> pd.DataFrame:
+def synthetic_rounds(
+    seed: int = 0, generations: int = 40, look_ks: tuple[int, ...] = ()
+) -> pd.DataFrame:
+    """Rounds timed by the model itself plus noise; K in ``look_ks`` also gets look rounds
+    (K tokens, K + 1 draft forwards: the draft time of K + 1, the target time of m = K + 1)."""
     rng = np.random.default_rng(seed)
     rows = []
+    kinds = [(k, False) for k in range(6)] + [(k, True) for k in look_ks]
     for g in range(generations):
         gen_effect = rng.normal(0, 0.02)  # rounds of one generation share a little noise
-        for k in range(0, 6):
+        for k, look in kinds:
             m = k + 1
+            forwards = k + 1 if look else k
             for r in range(12):
                 u = 4.0 if m == 1 else rng.uniform(4, 4 + 3 * m)
                 ctx = 100 + 20 * r + rng.integers(0, 50)
                 t = TRUE_BETA0[m] + TRUE_ALPHA[m] * u + TRUE_C * ctx + gen_effect
+                t_draft = DRAFT_A * forwards + DRAFT_B + rng.normal(0, 0.02) if forwards else 0.0
                 rows.append(
                     {
-                        "gen_id": f"g{g}|K{k}",
+                        "gen_id": f"g{g}|K{k}" + ("+look" if look else ""),
                         "category": "x",
                         "k": k,
                         "m": m,
                         "t_target_ms": t + rng.normal(0, 0.03),
-                        "t_draft_ms": DRAFT_A * k + DRAFT_B + rng.normal(0, 0.02) if k else 0.0,
+                        "t_draft_ms": t_draft,
+                        "draft_forwards": forwards,
                         "u_bar": u,
                         "ctx_len": ctx,
                         "kv_tokens": ctx - 1,
@@ -93,3 +101,40 @@ def test_fit_rejects_unusable_input():
     one_gen["gen_id"] = "only"
     with pytest.raises(ValueError, match="at least 2 generations"):
         fit_cost_model(one_gen)
+
+
+def test_draft_line_is_fitted_on_forwards_pooled_over_fixed_and_look_rounds():
+    """Look rounds (K tokens, K + 1 forwards; K = 0: one forward and no token) are priced by the
+    same line as fixed chains once it is read on forwards; read on K they would sit a whole
+    forward (about a = 0.46 ms) above it."""
+    rounds = synthetic_rounds(look_ks=(0, 2, 5))
+    fit = fit_cost_model(rounds)
+    model = fit.model
+    assert model.draft_a == pytest.approx(DRAFT_A, abs=0.01)
+    assert model.draft_b == pytest.approx(DRAFT_B, abs=0.02)
+    for n in range(1, 7):
+        assert model.t_draft(n) == pytest.approx(DRAFT_A * n + DRAFT_B, abs=0.03)
+    assert model.t_draft(0) == 0.0
+    quality = model.meta["fit"]["draft"]
+    assert quality["rounds_look"] == 40 * 3 * 12 and quality["rounds_fixed"] == 40 * 5 * 12
+    assert quality["oos_mape_look_pct"] < 2.0 and quality["oos_mape_fixed_pct"] < 2.0
+    assert quality["oos_r2"] > 0.99
+    # A look does not change m: T_T keeps its per-m fit (looks add rows to m = K + 1).
+    for m in TRUE_BETA0:
+        assert model.beta0[m] == pytest.approx(TRUE_BETA0[m], abs=0.05), m
+        assert model.alpha[m] == pytest.approx(TRUE_ALPHA[m], abs=0.005), m
+    # The one-forward look at K = 0 is not dropped as interference beside the K = 0 AR rounds.
+    assert model.meta["fit"]["rounds_dropped_as_interference"] == 0
+    # The wrong reading (T_D on K) would misprice the looks by a forward: the fit must not.
+    on_k = np.polyfit(
+        rounds.loc[rounds["k"] > 0, "k"], rounds.loc[rounds["k"] > 0, "t_draft_ms"], 1
+    )
+    assert abs(on_k[0] - DRAFT_A) > 0.02 or abs(on_k[1] - DRAFT_B) > 0.05
+
+
+def test_rounds_from_before_looks_are_read_as_fixed_chains():
+    old = synthetic_rounds().drop(columns=["draft_forwards"])
+    fit = fit_cost_model(old)
+    assert fit.model.draft_a == pytest.approx(DRAFT_A, abs=0.01)
+    assert fit.model.meta["fit"]["draft"]["rounds_look"] == 0
+    assert any("without draft_forwards" in note for note in fit.notes)

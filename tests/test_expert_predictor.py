@@ -17,6 +17,7 @@ from pipeline.decode.drafter import Drafter
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.registry import make_policy
+from pipeline.decode.randomness import TorchRandom
 from pipeline.decode.types import SamplingConfig
 from pipeline.extract.rows import extract_sequence
 from pipeline.models.adapters import MoESpec
@@ -103,7 +104,7 @@ def test_training_contexts_are_the_online_drafters_states(checkpoints, tmp_path)
                               "tails": tables.tails})  # fmt: skip
     samples = load_samples(tmp_path, pair, pair.spec)
     assert len(samples) == len(response) + 1  # x_0 .. x_N
-    drafter = Drafter(pair, SamplingConfig(), torch.Generator())
+    drafter = Drafter(pair, SamplingConfig(), TorchRandom(0))
     committed = list(prompt)
     for t in range(1, len(response) + 1):
         drafter.begin(committed)
@@ -156,8 +157,8 @@ def test_factory_errors_are_specific():
         make_policy("marginal", art, max_k=50)
     with pytest.raises(ValueError, match="bad knobs for policy 'ecospec'"):
         make_policy("ecospec", art, colour=3)
-    with pytest.raises(ValueError, match="gamma must be >= 1"):
-        make_policy("ecospec", art, gamma=0)
+    with pytest.raises(ValueError, match="gamma must be >= 2"):  # the root + one draft node
+        make_policy("ecospec", art, gamma=1)
     with pytest.raises(ValueError, match="the target has 6 x 32"):
         art.check_target(6, 32)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +18,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 from pipeline.data.prompts import load_jsonl
-from pipeline.data.shards import ManifestMismatchError, completed_shards, read_table
+from pipeline.data.shards import (
+    ManifestMismatchError,
+    completed_shards,
+    read_table,
+    shard_name,
+)
 from pipeline.extract.ray_pipeline import TABLES, ExtractConfig, run_extraction
 from pipeline.models.loading import REPO_ROOT
 
@@ -43,6 +50,11 @@ def test_two_nodes_both_process_shards(checkpoints, tmp_path):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.add_node(num_cpus=1)
+    context = ray.data.DataContext.get_current()
+    wait_before = context.wait_for_min_actors_s
+    # Both 1-CPU actors land on different nodes; waiting until both are up before the first
+    # shard is dispatched makes each get one, instead of the first ready taking them all.
+    context.wait_for_min_actors_s = 300
     try:
         ray.init(address=cluster.address)
         prompts = load_jsonl(FIXTURE, limit=6)
@@ -61,6 +73,7 @@ def test_two_nodes_both_process_shards(checkpoints, tmp_path):
         seqs = read_table(tmp_path / "out", "sequences")
         assert sorted(seqs.column("seq_id").to_pylist()) == sorted(p.prompt_id for p in prompts)
     finally:
+        context.wait_for_min_actors_s = wait_before
         ray.shutdown()
         cluster.shutdown()
 
@@ -70,9 +83,17 @@ def test_rerun_with_other_parameters_is_refused(checkpoints, tmp_path):
 
     cfg = _config(checkpoints, tmp_path)
     check_manifest(tmp_path, cfg.manifest("a.jsonl", None, 1))
-    with pytest.raises(ManifestMismatchError, match="lmax: 3 -> 5"):
-        other = ExtractConfig(**{**cfg.__dict__, "lmax": 5})
-        check_manifest(tmp_path, other.manifest("a.jsonl", None, 1))
+    check_manifest(tmp_path, cfg.manifest("a.jsonl", None, 1))  # the same run, read back
+    changes = {
+        "lmax": (5, "lmax: 3 -> 5"),
+        "acceptances": (("greedy",), "acceptances: \\['surrogate', 'greedy', 'sampling'\\]"),
+        "draws": (1, "draws: 2 -> 1"),
+        "temperature": (0.5, "temperature: 1.0 -> 0.5"),
+    }
+    for field, (value, message) in changes.items():
+        with pytest.raises(ManifestMismatchError, match=message):
+            other = ExtractConfig(**{**cfg.__dict__, field: value})
+            check_manifest(tmp_path, other.manifest("a.jsonl", None, 1))
 
 
 def _extract_cmd(checkpoints, out: Path) -> list[str]:
@@ -91,34 +112,75 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (a run's driver, Ray daemons and
+    workers inherit it, whatever process group they put themselves in)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker.encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _kill_run(proc: subprocess.Popen, marker: str) -> None:
+    """SIGKILL a run and every process it started, and return only once all are gone, so that
+    nothing of it can write a shard afterwards."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 120
+    while pids := _processes_with(marker):
+        assert time.time() < deadline, f"processes of the killed run survive: {pids}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+def _assert_same_rows(full: Path, resumed: Path) -> None:
+    keys = {"sequences": ["seq_id"], "tokens": ["seq_id", "t"],
+            "tails": ["seq_id", "acceptance", "draw", "i", "k", "a", "r"]}  # fmt: skip
+    for name in TABLES:
+        a = _sorted(read_table(full, name), keys[name])
+        b = _sorted(read_table(resumed, name), keys[name])
+        assert a.num_rows == b.num_rows and a.equals(b), name
+
+
 @pytest.mark.slow
 def test_killed_run_resumes_to_exactly_the_uninterrupted_rows(checkpoints, tmp_path):
+    """A kill loses no completed shard, and a rerun redoes exactly the missing ones and ends
+    with the rows of an uninterrupted run. What the kill catches is up to the machine's timing
+    (no shard, some, or all of them), so nothing below depends on it; on top of the kill, one
+    shard loses a table (as a kill between two writes leaves it) and one shard all of them, so
+    every run of this test resumes something."""
     env = _env(tmp_path)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     subprocess.run(_extract_cmd(checkpoints, full), env=env, check=True, timeout=600,
                    capture_output=True)  # fmt: skip
 
+    marker = f"SPECBOUND_KILLED_RUN={uuid.uuid4().hex}"
+    killed_env = {**env, marker.split("=")[0]: marker.split("=")[1]}
     proc = subprocess.Popen(
-        _extract_cmd(checkpoints, resumed), env=env, start_new_session=True,
+        _extract_cmd(checkpoints, resumed), env=killed_env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.time() + 300
-    while time.time() < deadline and not completed_shards(resumed, TABLES):
+    while proc.poll() is None and time.time() < deadline and not completed_shards(resumed, TABLES):
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    partial = completed_shards(resumed, TABLES)
-    assert partial and len(partial) < 6, partial
+    _kill_run(proc, marker)
+    for shard, tables in ((2, ("tails",)), (4, TABLES)):
+        for name in tables:
+            (resumed / name / shard_name(shard)).unlink(missing_ok=True)
+    complete = completed_shards(resumed, TABLES)
+    assert complete <= set(range(6)) - {2, 4}
 
     done = subprocess.run(_extract_cmd(checkpoints, resumed), env=env, timeout=600,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    resumed_from = int(re.search(r"(\d+) already complete", done.stdout).group(1))
-    # Workers of the killed run may still finish a shard after the kill; never all of them.
-    assert len(partial) <= resumed_from < 6
-    keys = {"sequences": ["seq_id"], "tokens": ["seq_id", "t"],
-            "tails": ["seq_id", "i", "k", "a", "r"]}  # fmt: skip
-    for name in TABLES:
-        a = _sorted(read_table(full, name), keys[name])
-        b = _sorted(read_table(resumed, name), keys[name])
-        assert a.num_rows == b.num_rows and a.equals(b), name
+    counts = re.search(r"(\d+) shards, (\d+) already complete, (\d+) to do", done.stdout)
+    assert counts, done.stdout[-2000:]
+    assert tuple(map(int, counts.groups())) == (6, len(complete), 6 - len(complete))
+    assert completed_shards(resumed, TABLES) == set(range(6))
+    _assert_same_rows(full, resumed)

@@ -1,5 +1,6 @@
-"""The oracle-driven marginal rule stops where dE[Cost]/dE[a] first exceeds lambda, and the
-engine stays lossless with it."""
+"""The oracle-driven marginal rule stops where dE[Cost]/dE[a] first exceeds lambda, decides
+before it samples, and the engine stays lossless with it (sampling: exactly, in
+tests/test_lossless_sampling.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ class ScriptedDrafter:
         self.calls += 1
         return self.rows[self.calls]
 
+    draws: list[int] = []  # what sampling draws, in order (greedy: the argmax)
+
     def sample(self, probs):
-        return int(probs.argmax())
+        return self.draws.pop(0) if not self.sampling.greedy else int(probs.argmax())
 
 
 def _setup():
@@ -71,21 +74,47 @@ def test_marginal_rule_stops_exactly_where_the_ratio_exceeds_lambda():
         MarginalPolicy(cost, lam=0.0, predictor=predictor)
 
 
-def test_marginal_policy_is_lossless_under_greedy_decoding():
-    pair = perturbed_pair("qwen3_moe", noise=0.3)
+def test_marginal_policy_is_lossless_under_greedy_decoding_with_its_exit_firing():
+    """A lambda inside the range of the rule's ratios on this pair: most steps stop early,
+    some take a plain step (k = 0); with calibrate=True the learned P(accept | q) drives the
+    rule through the engine. Both decode exactly the plain greedy continuation."""
+    pair = perturbed_pair("qwen3_moe", noise=0.3, vocab=16, sharpen=6.0)
     rng = np.random.default_rng(0)
-    samples = [(int(t), np.sort(rng.choice(8, (2, 2), replace=True), axis=1)) for t in range(256)]
+    samples = [(int(t), np.sort(rng.choice(8, (2, 2), replace=True), axis=1)) for t in range(16)]
     predictor = TokenExpertPredictor.fit(samples, num_experts=8, top_k=2)
     cost = CostModel({m: 4 + 0.2 * m for m in range(1, 10)}, {m: 0.3 for m in range(1, 10)},
                      0.001, 0.4, 0.1)  # fmt: skip
     engine = SpeculativeEngine(pair)
-    drafted = 0
-    for prompt in ([5, 9, 2], [100, 3, 7, 7], [1, 2, 3, 4, 5, 6]):
-        gen = engine.generate(prompt, MarginalPolicy(cost, lam=200.0, predictor=predictor),
-                              max_new_tokens=16, stop_at_eos=False)  # fmt: skip
-        assert gen.tokens == greedy_continuation(pair.target, prompt, 16, eos_id=None)
-        drafted += sum(s.drafted for s in gen.steps)
-    assert drafted > 0
+    for calibrate in (False, True):
+        policy = MarginalPolicy(cost, lam=5.0, predictor=predictor, max_k=3, calibrate=calibrate)
+        sizes = []
+        for prompt in ([5, 9, 2], [10, 3, 7, 7], [1, 2, 3, 4, 5, 6]):
+            gen = engine.generate(prompt, policy, max_new_tokens=16, stop_at_eos=False)
+            assert gen.tokens == greedy_continuation(pair.target, prompt, 16, eos_id=None)
+            sizes += [s.drafted for s in gen.steps]
+        assert 0 in sizes and max(sizes) >= 2, (calibrate, sizes)  # plain steps and chains
+        early = sum(k < 3 for k in sizes)
+        assert early >= len(sizes) / 2, (calibrate, sizes)  # the exit fired on most steps
+        if calibrate:  # it learned from verified drafts, and what it learned is in use
+            assert policy.acceptance.trials.sum() > 10
+            assert policy.accept_probability(0.15) != pytest.approx(0.15)
+
+
+def test_sampling_decides_before_it_draws_and_carries_the_drawn_token():
+    """At T > 0 the stop test prices the most likely token (here 0, q 0.9); the drawn token
+    (here 1, q 0.05) is appended whatever it is, and P_j and the buffer grow with it."""
+    predictor, cost, drafter = _setup()
+    drafter.sampling = SamplingConfig(temperature=1.0)
+    drafter.draws = [1, 1, 2]
+    policy = MarginalPolicy(cost, lam=4.0, predictor=predictor, max_k=3)
+    cands = policy.propose(drafter, [7, 9])
+    assert cands.tokens == [1]  # kept although its own ratio would be (0.5 + 2) / 0.05 = 50
+    assert cands.q[0] is not None and cands.confidences == [pytest.approx(0.05)]
+    # Step 0 priced token 0 (0.9, no new experts); step 1 prices token 1 (0.8) after the drawn
+    # 1 put {2, 3} in the buffer (no new experts) with P_1 = 0.05: 0.5 / 0.04 = 12.5 > 4.
+    assert [s.token for s in policy.trace] == [0, 1]
+    assert [s.new_experts for s in policy.trace] == [0.0, 0.0]
+    assert [round(s.ratio, 3) for s in policy.trace] == [0.556, 12.5]
 
 
 def test_predictor_fit_and_overlap():

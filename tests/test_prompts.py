@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from pipeline.data.prompts import (
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = FIXTURES / "mtbench_small.jsonl"
 BAD = FIXTURES / "mtbench_bad.jsonl"
+# One record of each shape in Spec-Bench's question.jsonl (categories as there, texts made up).
+SHAPES = FIXTURES / "specbench_shapes.jsonl"
 
 
 def test_humaneval_loads_all_problems_in_order() -> None:
@@ -96,7 +99,8 @@ def test_bad_fixture_reports_every_bad_line() -> None:
         7: "duplicate question_id '1' (first seen on line 1)",
         8: "'question_id' must be an int or a string, got float",
         9: "'turns' must be a list of strings, got str",
-        10: "'reference' must be a string or a list of strings, got int",
+        10: "'reference' must be a string or a list (per turn) of strings or of lists of "
+        "strings, got int",
         12: "'category' must be a string, got int",
     }
     for lineno, problem in expected.items():
@@ -129,3 +133,59 @@ def test_unknown_source() -> None:
     with pytest.raises(PromptSourceError, match="expected 'humaneval' or a path") as info:
         load_prompts("mt_bench.csv")
     assert "mt_bench.csv" in str(info.value)
+
+
+def test_every_spec_bench_record_shape_loads() -> None:
+    """Spec-Bench's question.jsonl: two turns (mt_bench), no reference (translation,
+    summarization, writing), a reference per turn (mt_bench math, qa, math_reasoning), a list
+    of acceptable answers per turn (all of rag), a bare string. The prompt is the first turn;
+    the reference is the first turn's, and of a list of answers the first answer."""
+    by_id = {p.prompt_id: p for p in load_jsonl(SHAPES)}
+    assert list(by_id) == ["81", "111", "161", "241", "321", "401", "481", "482", "560"]
+    assert by_id["81"].text.startswith("Compose an engaging travel blog post")
+    assert "letter A" not in by_id["81"].text and by_id["81"].reference is None
+    assert by_id["111"].text.endswith("What is the area of the triangle?")
+    assert by_id["111"].reference == "Area is 3"
+    assert by_id["161"].category == "translation" and by_id["161"].reference is None
+    assert by_id["241"].reference is None
+    assert by_id["321"].reference == "Jane Austen"
+    assert by_id["401"].reference is not None and by_id["401"].reference.endswith("#### 72")
+    assert by_id["481"].category == "rag" and by_id["481"].reference == "Mount Everest"
+    assert by_id["481"].text.endswith("Answer:")
+    assert by_id["482"].reference == "100 degrees Celsius"
+    assert by_id["560"].reference == "Canberra"
+    assert load_prompts(str(SHAPES), limit=2) == list(by_id.values())[:2]
+
+
+@pytest.mark.parametrize(
+    ("reference", "problem"),
+    [
+        ([["Everest", 8848]], "'reference' of turn 1 must list strings, got int"),
+        ([[]], "'reference' of turn 1 is an empty list"),
+        ([["ok"], 5], "'reference' of turn 2 must be a string or a list of strings, got int"),
+        (["ok", {"a": 1}], "'reference' of turn 2 must be a string or a list of strings, got dict"),
+        ([["ok"], [None]], "'reference' of turn 2 must list strings, got NoneType"),
+        (
+            {"text": "x"},
+            "'reference' must be a string or a list (per turn) of strings or of lists of "
+            "strings, got dict",
+        ),
+    ],
+)
+def test_malformed_nested_reference_fails_with_its_line(
+    tmp_path: Path, reference: object, problem: str
+) -> None:
+    good = '{"question_id": 1, "category": "rag", "turns": ["Q?"], "reference": [["A"]]}'
+    bad = json.dumps({"question_id": 2, "category": "rag", "turns": ["Q?"], "reference": reference})
+    path = tmp_path / "q.jsonl"
+    path.write_text(f"{good}\n{bad}\n", encoding="utf-8")
+    with pytest.raises(PromptSourceError) as info:
+        load_jsonl(path)
+    assert info.value.problems == (f"{path}:2: {problem}",)
+
+
+def test_every_turn_must_be_a_string(tmp_path: Path) -> None:
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "category": "writing", "turns": ["first", 2]}\n')
+    with pytest.raises(PromptSourceError, match=f"{path}:1: 'turns' must contain only strings"):
+        load_jsonl(path)

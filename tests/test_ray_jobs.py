@@ -1,9 +1,19 @@
-"""Jobs submitted with `ray job submit` to a local head started with `ray start --head`."""
+"""Jobs submitted with `ray job submit` to a local head started with `ray start --head`.
+
+Ports: every port the head would otherwise take at a fixed default (GCS 6379, dashboard 8265,
+dashboard agent 52365, Ray Client 10001: any other Ray on this machine races for those) is
+chosen here, free when chosen and outside the kernel's ephemeral range, so no port-0 bind or
+outgoing connection elsewhere can take it before the head binds it. The dashboard address is
+the one the head prints (the dashboard moves to the next port if its own is taken), so jobs
+never go to another cluster's dashboard; a head that does not come up is retried with fresh
+ports. Deadlines are liveness bounds only."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
@@ -21,10 +31,24 @@ from tests.test_extract_pipeline import FIXTURE
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _unused_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now, between Ray's worker ports (10002-19999) and the kernel's
+    ephemeral range, where only a process that names its port explicitly can bind."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    ports: list[int] = []
+    for port in random.sample(range(20000, max(ephemeral, 20000 + 64)), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError("no free ports between 20000 and the ephemeral range")
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -62,23 +86,54 @@ def _submit_and_wait(address: str, job_id: str, entrypoint: list[str], env, runt
         pytest.fail(f"job {job_id}: {status}\n{logs.stdout[-3000:]}{logs.stderr[-2000:]}")
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def _start_head(env, tmp_path: Path, attempts: int = 3) -> tuple[subprocess.Popen, str, int]:
+    """A head of our own: (its `ray start --block` process, its dashboard address as it
+    printed it, its GCS port). A head that exits or prints no dashboard address (a chosen
+    port taken after all) is stopped and started again on fresh ports."""
+    why = ""
+    for attempt in range(attempts):
+        gcs, dash, agent, client = _unused_ports(4)
+        head = (f"--head --port {gcs} --dashboard-port {dash} --dashboard-agent-listen-port "
+                f"{agent} --ray-client-server-port {client} --num-cpus 2 "
+                "--include-dashboard true --disable-usage-stats --block")  # fmt: skip
+        log = tmp_path / f"ray-head-{attempt}.log"
+        # --block keeps `ray start` in the foreground: stopping its process group stops this
+        # head alone, not other Ray clusters on the machine (as `ray stop` would).
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                [str(BIN / "ray"), "start", *head.split()], env={**env, "PYTHONUNBUFFERED": "1"},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.time() + 180
+        while proc.poll() is None and time.time() < deadline:
+            found = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", log.read_text())
+            if found:
+                address = found.group(1)
+                while time.time() < deadline and proc.poll() is None:
+                    if not _ray(["job", "list", "--address", address], env, check=False).returncode:
+                        return proc, address, gcs
+                    time.sleep(2)
+                break
+            time.sleep(1)
+        why = log.read_text()[-2000:]
+        _stop(proc)
+    pytest.fail(f"no Ray head came up in {attempts} attempts; the last said:\n{why}")
+
+
 @pytest.mark.slow
 def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
     env = _env(tmp_path)
-    port, dash = _free_port(), _free_port()
-    head = f"--head --port {port} --dashboard-port {dash} --num-cpus 2 --include-dashboard true"
-    # --block keeps `ray start` in the foreground: stopping its process group stops this head
-    # alone, not other Ray clusters on the machine (as `ray stop` would).
-    head_proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", *head.split(), "--disable-usage-stats", "--block"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    address = f"http://127.0.0.1:{dash}"
+    head_proc, address, port = _start_head(env, tmp_path)
     try:
-        deadline = time.time() + 120
-        while _ray(["job", "list", "--address", address], env, check=False).returncode:
-            assert time.time() < deadline and head_proc.poll() is None, "the head did not start"
-            time.sleep(2)
         db = tmp_path / "mlflow.db"
         runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
         extract_dir, oracle_dir = tmp_path / "extract", tmp_path / "oracle"
@@ -104,11 +159,7 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
             assert exp is not None, name
             assert client.search_runs([exp.experiment_id])[0].info.status == "FINISHED"
     finally:
-        os.killpg(head_proc.pid, signal.SIGTERM)
-        try:
-            head_proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head_proc.pid, signal.SIGKILL)
+        _stop(head_proc)
         # `ray start` records its address for later clients; drop the record of this head.
         record = Path("/tmp/ray/ray_current_cluster")
         if record.exists() and record.read_text().strip().endswith(f":{port}"):

@@ -1,15 +1,23 @@
 """The Serve endpoint over real HTTP on the embedded models: the openai client (completion and
-stream), greedy output equal to the library's, /v1/models and /healthz, a matrix of bad inputs
-(each a 4xx JSON error naming the problem), a bounded load test, and a replica killed under
-load with retrying clients losing nothing. Also, without Ray: the incremental decoder equals
-SpeculativeEngine.generate() and serve_config.yaml is a valid Serve config."""
+stream), greedy output of every registered policy equal to plain greedy decoding, sampling that
+follows seed and top_p, /v1/models and /healthz, a matrix of bad inputs (each a 4xx JSON error
+naming the problem), a bounded load test, and a replica killed under load with retrying clients
+losing nothing. Also, without Ray: the incremental decoder against plain greedy decoding (and
+its own decoded tokens), cancellation between steps, and serve_config.yaml as a Serve config.
+
+Timing: no assertion depends on how fast the machine is. The port is held until the proxy
+binds it; the disconnect test runs a generation far longer than a disconnect takes to arrive;
+the replica is killed while a streamed generation is known to be running; deadlines are
+liveness bounds, generous enough for a loaded 2-core machine."""
 
 from __future__ import annotations
 
 import json
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import numpy as np
@@ -18,6 +26,7 @@ import pytest
 import yaml
 
 from pipeline.data.prompts import load_prompts
+from pipeline.data.references import greedy_continuation
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.types import SamplingConfig
@@ -25,14 +34,41 @@ from pipeline.models.loading import REPO_ROOT, load_pair
 from tests.test_policy_registry import out_of_range, wrong_type
 
 APP_NAME = "specbound-test"
-MAX_TOKENS_LIMIT = 256
+# Large enough that a max_tokens generation runs for seconds (the disconnect test).
+MAX_TOKENS_LIMIT = 1024
 PROMPTS = ["class Stack:\n    def push(self, item):\n        ", "The quick brown fox"]
+TINY_TOP_P = 1e-9  # keeps only the most likely token: sampling becomes greedy decoding
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def _held_port() -> Iterator[int]:
+    """A free port on 127.0.0.1, bound (not listening) until released. The Serve proxy binds
+    with SO_REUSEADDR and SO_REUSEPORT, so it can share this bind; any other process binding
+    without SO_REUSEPORT (every port-0 pick, every plain server) gets EADDRINUSE, so nothing
+    takes the port between the pick and the proxy's bind."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def _wait_healthy(base: str, deadline_s: float) -> None:
+    """Poll /healthz until the app answers: serve.run returns when the deployment is up, which
+    may be before the proxy routes to it. The deadline is a liveness bound only."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            r = httpx.get(f"{base}/healthz", timeout=30)
+            if r.status_code == 200 and r.json().get("status") == "ok":
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{base} not healthy after {deadline_s}s"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +85,23 @@ def pair():
         torch.set_num_threads(threads)
 
 
+def _ids(pair, text: str) -> list[int]:
+    return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _plain_greedy(pair, text: str, n: int) -> tuple[list[int], str]:
+    """The independent reference: plain greedy decoding with the target (a direct loop with a
+    KV cache, no engine, no policy), stopped at EOS; its tokens and text."""
+    tokens = greedy_continuation(pair.target, _ids(pair, text), n, pair.tokenizer.eos_token_id)
+    return tokens, pair.tokenizer.decode(tokens)
+
+
+def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    """OpenAI's stop rule: the text before the first stop string; whether one occurred."""
+    cuts = [text.find(s) for s in stops if s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
 @pytest.fixture(scope="module")
 def server() -> str:
     """A fresh local Ray cluster with the app on a free port; its base URL."""
@@ -58,16 +111,17 @@ def server() -> str:
     from jobs.cli import init_ray
     from serving.app import build_app
 
-    port = _free_port()
     init_ray(num_cpus=2)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # On CPU even where a GPU exists: greedy text is compared with the fp32 CPU reference.
-        app = build_app({"max_tokens_limit": MAX_TOKENS_LIMIT, "num_cpus": 1, "num_gpus": 0,
-                         "device": "cpu"})  # fmt: skip
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        base = f"http://127.0.0.1:{port}"
-        assert httpx.get(f"{base}/healthz", timeout=60).status_code == 200
+        with _held_port() as port:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            # On CPU even where a GPU exists: greedy text is compared with the fp32 CPU
+            # reference.
+            app = build_app({"max_tokens_limit": MAX_TOKENS_LIMIT, "num_cpus": 1, "num_gpus": 0,
+                             "device": "cpu"})  # fmt: skip
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            base = f"http://127.0.0.1:{port}"
+            _wait_healthy(base, 300)
         yield base
     finally:
         serve.shutdown()
@@ -83,29 +137,102 @@ def _post(server: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(f"{server}/v1/completions", json=body, timeout=timeout)
 
 
+def _timed_post(server: str, body: dict) -> tuple[dict, float]:
+    """The 200 response body and the request's wall time at the client (ms)."""
+    started = time.perf_counter()
+    r = _post(server, body)
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    assert r.status_code == 200, r.text
+    return r.json(), elapsed_ms
+
+
+def _check_stats(stats: dict, completion_tokens: int, spec, elapsed_ms: float) -> None:
+    """What the engine guarantees of a response's statistics (means are rounded to 4 places):
+    every step commits its accepted tokens plus one, so at least one token, and no step starts
+    once max_tokens are in; a step verifies drafted + 1 positions, each choosing top_k experts
+    per MoE layer, so a layer's union holds between top_k and min(E, top_k (drafted + 1))
+    experts (the mean of that bound over steps is at most the bound at the mean drafted, the
+    bound being concave); the timed forwards run inside the request."""
+    steps, eps = stats["steps"], 1e-3
+    assert 1 <= steps <= completion_tokens, stats
+    assert stats["tokens_per_step"] == pytest.approx(stats["accepted_per_step"] + 1, abs=eps)
+    assert steps * stats["tokens_per_step"] >= completion_tokens - steps * eps, stats
+    assert 0 <= stats["accepted_per_step"] <= stats["drafted_per_step"] + eps, stats
+    high = min(spec.num_experts, spec.top_k * (stats["drafted_per_step"] + 1))
+    assert spec.top_k - eps <= stats["unique_experts_per_step"] <= high + eps, stats
+    assert stats["verify_ms"] > 0 and stats["draft_ms"] >= 0, stats
+    assert stats["draft_ms"] + stats["verify_ms"] <= elapsed_ms, (stats, elapsed_ms)
+
+
 # --- without Ray ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("policy", "knobs", "temperature", "stop"),
+    ("policy", "knobs", "sampling", "stop"),
     [
-        ("fixed", {"k": 4}, 0.0, None),
-        ("tree", {}, 0.0, ["\n\n", "return"]),
-        ("fixed", {"k": 2}, 1.0, ["  "]),
+        ("fixed", {"k": 4}, SamplingConfig(0.0), None),
+        ("tree", {}, SamplingConfig(0.0), ["\n\n", "return"]),
+        ("fixed", {"k": 2}, SamplingConfig(1.0, TINY_TOP_P), ["  "]),
+        ("fixed", {"k": 2}, SamplingConfig(1.0, 0.9), ["  "]),
     ],
+    ids=["greedy-fixed", "greedy-tree-stops", "tiny-top-p-stop", "sampled-stop"],
 )
-def test_incremental_decoder_equals_generate(pair, policy, knobs, temperature, stop):
-    engine = SpeculativeEngine(pair)
-    sampling = SamplingConfig(temperature, 0.9 if temperature else 1.0)
+def test_incremental_decoder_against_plain_greedy(pair, policy, knobs, sampling, stop):
+    """The streamed deltas join to the result's text; that text is the result's own tokens
+    decoded and cut at the first stop string (so no delta ever held text a stop string later
+    removed: deltas cannot be taken back); and where the output is greedy (T = 0, or a top_p
+    that keeps one token) the tokens are plain greedy decoding's, the text its text cut at the
+    first stop. A sampled run has no independent reference beyond its own tokens."""
+    engine, tok = SpeculativeEngine(pair), pair.tokenizer
+    stops, n = stop or [], 24
+    greedy = sampling.greedy or sampling.top_p == TINY_TOP_P
+    stopped_somewhere = False
     for text in [*PROMPTS, load_prompts("humaneval", 1)[0].text]:
-        ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ref = engine.generate(ids, make_policy(policy, **knobs), 24, sampling, seed=5, stop=stop)
-        gen = engine.stream(ids, make_policy(policy, **knobs), 24, sampling, 5, stop)
+        gen = engine.stream(_ids(pair, text), make_policy(policy, **knobs), n, sampling, 5, stop)
         deltas = list(gen.deltas())
-        assert "".join(deltas) == gen.result.text == ref.text
-        assert gen.result.tokens == ref.tokens
-        assert gen.result.finish_reason == ref.finish_reason
-        assert all(deltas) and all(not (s and s in "".join(deltas)) for s in stop or [])
+        result = gen.result
+        assert all(deltas) and "".join(deltas) == result.text
+        assert not any(s in result.text for s in stops)
+        own_text, stopped = _cut(tok.decode(result.tokens), stops)
+        assert result.text == own_text
+        assert (result.finish_reason == "stop") == stopped, result.finish_reason
+        stopped_somewhere |= stopped
+        if not stopped:
+            ends_at_eos = result.tokens[-1] == tok.eos_token_id
+            assert len(result.tokens) == n or ends_at_eos
+            assert result.finish_reason == ("eos" if ends_at_eos else "length")
+        if greedy:
+            ref_tokens, ref_text = _plain_greedy(pair, text, n)
+            assert result.tokens == ref_tokens[: len(result.tokens)]
+            assert result.text == _cut(ref_text, stops)[0]
+            if not stopped:
+                assert result.tokens == ref_tokens
+    if stop and greedy:
+        assert stopped_somewhere, "no prompt reached a stop string: the hold-back went untested"
+
+
+def test_a_cancelled_stream_stops_before_its_next_step(pair):
+    """``cancelled()`` is polled before every step: once it is true no further step runs, the
+    generation ends "cancelled", and the deltas still join to its text (the mechanism behind
+    the endpoint's client-disconnect handling, without its timing)."""
+    engine = SpeculativeEngine(pair)
+    gen = engine.stream(_ids(pair, PROMPTS[0]), make_policy("fixed", k=2), 64)
+    polls, cancel = [0], [False]
+
+    def cancelled() -> bool:
+        polls[0] += 1
+        return cancel[0]
+
+    deltas = gen.deltas(cancelled)
+    first = next(deltas)
+    steps_run = polls[0]  # one poll before each step that ran
+    cancel[0] = True
+    rest = list(deltas)
+    result = gen.result
+    assert result.finish_reason == "cancelled"
+    assert len(result.steps) == steps_run and polls[0] == steps_run + 1
+    assert len(result.tokens) == sum(s.new_tokens for s in result.steps) < 64
+    assert "".join([first, *rest]) == result.text
 
 
 def test_serve_config_is_a_valid_serve_config():
@@ -147,17 +274,22 @@ def test_models_and_healthz(server):
 
 
 @pytest.mark.slow
-def test_openai_client_completion_and_stream(client):
+def test_openai_client_completion_and_stream(client, pair):
     model = client.models.list().data[0].id
     kwargs = {"model": model, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
+    started = time.perf_counter()
     done = client.completions.create(**kwargs)
+    elapsed_ms = (time.perf_counter() - started) * 1e3
     text = done.choices[0].text
-    assert text and done.choices[0].finish_reason in ("stop", "length")
-    assert done.usage.completion_tokens > 0
+    ref_tokens, ref_text = _plain_greedy(pair, PROMPTS[0], 24)
+    assert text == ref_text and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == len(ref_tokens)
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
     stats = done.model_extra["speculation"]
-    assert stats["policy"] == "fixed" and stats["knobs"] == {"k": 4} and stats["steps"] >= 1
-    assert stats["verify_ms"] > 0 and stats["unique_experts_per_step"] >= 4
+    assert stats["policy"] == "fixed" and stats["knobs"] == {"k": 4}
+    # A chain of 4 every step (fixed does not shorten it near max_tokens).
+    assert stats["drafted_per_step"] == 4
+    _check_stats(stats, done.usage.completion_tokens, pair.spec, elapsed_ms)
 
     # Greedy decoding is lossless, so another policy streams the same text.
     tree = {"speculation": {"policy": "tree", "depth": 3}}
@@ -187,13 +319,14 @@ def test_raw_stream_is_openai_sse(server):
 
 
 @pytest.mark.slow
-def test_stop_string_ends_text_and_stream_alike(client):
+def test_stop_string_ends_text_and_stream_alike(client, pair):
     kwargs = {"model": "specbound", "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0,
               "stop": ["return", "xyz"]}  # fmt: skip
     done = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True))
     assert done.choices[0].finish_reason == "stop" == chunks[-1].choices[0].finish_reason
-    assert "return" not in done.choices[0].text
+    expected, stopped = _cut(_plain_greedy(pair, PROMPTS[0], 32)[1], ["return", "xyz"])
+    assert stopped and done.choices[0].text == expected
     assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
 
 
@@ -201,31 +334,32 @@ def test_stop_string_ends_text_and_stream_alike(client):
 @pytest.mark.parametrize(
     ("policy", "knobs"), [("fixed", {"k": 4}), ("tree", {"depth": 3, "branch": 2, "gamma": 6})]
 )
-def test_greedy_over_http_equals_library_greedy(server, pair, policy, knobs):
-    engine = SpeculativeEngine(pair)
+def test_greedy_over_http_equals_plain_greedy(server, pair, policy, knobs):
     for prompt in [*PROMPTS, *(p.text for p in load_prompts("humaneval", 2))]:
-        ids = pair.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        ref = engine.generate(ids, make_policy("ar"), 32, stop_at_eos=True)
+        ref_tokens, ref_text = _plain_greedy(pair, prompt, 32)
         body = {"prompt": prompt, "max_tokens": 32, "temperature": 0,
                 "speculation": {"policy": policy, **knobs}}  # fmt: skip
-        r = _post(server, body)
-        assert r.status_code == 200, r.text
-        out = r.json()
-        assert out["choices"][0]["text"].encode() == ref.text.encode()
-        assert out["usage"]["completion_tokens"] == len(ref.tokens)
-        assert out["usage"]["prompt_tokens"] == len(ids)
+        out, elapsed_ms = _timed_post(server, body)
+        assert out["choices"][0]["text"].encode() == ref_text.encode()
+        assert out["usage"]["completion_tokens"] == len(ref_tokens)
+        assert out["usage"]["prompt_tokens"] == len(_ids(pair, prompt))
         assert out["speculation"]["policy"] == policy
+        _check_stats(out["speculation"], len(ref_tokens), pair.spec, elapsed_ms)
 
 
 @pytest.mark.slow
 def test_client_disconnect_stops_the_generation(server):
+    """The abandoned generation is counted cancelled, never completed. Timing margin, not a
+    race: it would run MAX_TOKENS_LIMIT plain steps (about 10 s on this 2-core machine, 256
+    take 3 s) while the disconnect reaches the replica in milliseconds; that a cancelled
+    generation runs no further step is test_a_cancelled_stream_stops_before_its_next_step."""
     before = httpx.get(f"{server}/healthz", timeout=30).json()["generations"]
     body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS_LIMIT, "temperature": 0,
             "stream": True, "speculation": {"policy": "ar"}}  # fmt: skip
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")  # the first delta: it is running
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # liveness only
     while True:
         now = httpx.get(f"{server}/healthz", timeout=30).json()["generations"]
         if now["cancelled"] > before["cancelled"]:
@@ -236,10 +370,31 @@ def test_client_disconnect_stops_the_generation(server):
 
 
 @pytest.mark.slow
-def test_sampling_with_a_seed_is_reproducible(server):
-    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
-    first, second = _post(server, body).json(), _post(server, body).json()
-    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+def test_sampling_follows_seed_and_top_p(server, pair):
+    """A server that ignored temperature, seed or top_p would fail: the same seed reproduces
+    the text, and it is the library's sample for that seed; different seeds give different
+    texts (here, for these seeds: a fixed outcome, not a chance); a top_p that keeps only the
+    most likely token turns sampling into greedy decoding."""
+    engine, ids = SpeculativeEngine(pair), _ids(pair, PROMPTS[0])
+
+    def http(seed: int, top_p: float) -> str:
+        body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "top_p": top_p,
+                "seed": seed}  # fmt: skip
+        r = _post(server, body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    texts = {}
+    for seed in (1, 2, 3):
+        texts[seed] = http(seed, 0.9)
+        library = engine.generate(ids, make_policy("fixed", k=4), 16, SamplingConfig(1.0, 0.9),
+                                  seed=seed)  # fmt: skip
+        assert texts[seed] == library.text, seed
+    assert http(1, 0.9) == texts[1]
+    assert len(set(texts.values())) > 1, texts
+    greedy = _plain_greedy(pair, PROMPTS[0], 16)[1]
+    assert greedy not in texts.values()
+    assert [http(seed, TINY_TOP_P) for seed in (1, 2)] == [greedy, greedy]
 
 
 LONG_PROMPT = " ".join(str(i) for i in range(3000))  # > 2048 tokens
@@ -346,18 +501,22 @@ def test_every_registered_policy_s_knobs_are_validated_over_http(server):
 
 
 @pytest.mark.slow
-def test_every_listed_policy_answers_or_fails_cleanly(server):
-    """Cost-aware policies need artifacts (an expert predictor...) that a server may lack:
-    then a 500 JSON error that names the policy, never a crash."""
+def test_every_listed_policy_answers_with_plain_greedy_text(server, pair):
+    """Every policy the server lists, the cost-aware ones (ecospec, ecospec-global, marginal)
+    on the artifacts committed under models/, answers 200 at T = 0 with plain greedy decoding's
+    text: a broken artifact loader is a failure here, not a tolerated 500."""
     names = httpx.get(f"{server}/v1/models", timeout=30).json()["data"][0]["policies"]
-    for name in names:
-        r = _post(server, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-                           "speculation": {"policy": name}})  # fmt: skip
-        if r.status_code != 200:
-            assert r.status_code == 500, r.text
-            assert f"policy '{name}' is unavailable" in r.json()["error"]["message"]
-        else:
-            assert r.json()["speculation"]["policy"] == name
+    assert set(names) == set(POLICIES)
+    for prompt in PROMPTS:
+        ref_tokens, ref_text = _plain_greedy(pair, prompt, 16)
+        for name in names:
+            out, elapsed_ms = _timed_post(server, {"prompt": prompt, "max_tokens": 16,
+                                                   "temperature": 0,
+                                                   "speculation": {"policy": name}})  # fmt: skip
+            assert out["speculation"]["policy"] == name
+            assert out["choices"][0]["text"] == ref_text, (name, prompt)
+            assert out["usage"]["completion_tokens"] == len(ref_tokens), name
+            _check_stats(out["speculation"], len(ref_tokens), pair.spec, elapsed_ms)
 
 
 def test_unexpected_exception_is_a_500_json_error_without_traceback():
@@ -432,48 +591,95 @@ def _replica_actor_names() -> list[str]:
             and APP_NAME in a["name"]]  # fmt: skip
 
 
+class _StreamFailed(Exception):
+    """A streamed completion that did not end with its final chunk and [DONE]."""
+
+
+def _stream_text(server: str, body: dict, on_first_delta) -> str:
+    """A streamed completion's text; ``on_first_delta()`` runs when the first text arrives.
+    A non-200, an error event or a stream cut before its final chunk and [DONE] raises."""
+    parts: list[str] = []
+    finished = done = False
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        if r.status_code != 200:
+            raise _StreamFailed(f"status {r.status_code}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise _StreamFailed(chunk["error"]["message"])
+            parts.append(chunk["choices"][0]["text"])
+            if len(parts) == 1:
+                on_first_delta()
+            finished = finished or chunk["choices"][0]["finish_reason"] is not None
+    if not (finished and done):
+        raise _StreamFailed("stream cut short")
+    return "".join(parts)
+
+
 @pytest.mark.slow
-def test_killed_replica_loses_no_retried_request(server, record_property):
+def test_killed_replica_loses_no_retried_request(server, pair, record_property):
+    """The replica is killed while a streamed generation is known to run on it (its first
+    delta has arrived, and its 256 plain steps take seconds, the kill milliseconds), with
+    other requests queued behind it: that stream fails and every request, retried by its
+    client until it succeeds, returns plain greedy decoding's text; a new replica serves.
+    Deadlines are liveness bounds (a replica restart loads the models)."""
     import ray
 
     (old,) = _replica_actor_names()
-    total, clients, deadline_s = 16, 8, 90
+    total, clients, deadline_s, probe_tokens = 16, 8, 300, 256
     attempts = [0] * total
 
-    def with_retries(i: int) -> str:
-        body = {"prompt": PROMPTS[i % 2], "max_tokens": 16, "temperature": 0}
+    def with_retries(body: dict, count: list[int], i: int, first=None) -> str:
         deadline = time.monotonic() + deadline_s
         backoff = 0.25
         while True:
-            attempts[i] += 1
+            count[i] += 1
             try:
-                r = _post(server, body, timeout=60)
+                if first is not None and count[i] == 1:
+                    return _stream_text(server, body, first)
+                r = _post(server, body, timeout=120)
                 if r.status_code == 200:
                     return r.json()["choices"][0]["text"]
                 assert r.status_code >= 500, r.text  # a client error would be a real bug
-            except httpx.TransportError:
+            except (httpx.TransportError, _StreamFailed):
                 pass
-            assert time.monotonic() < deadline, f"request {i} still failing after {deadline_s}s"
+            assert time.monotonic() < deadline, f"request still failing after {deadline_s}s"
             time.sleep(backoff)
             backoff = min(backoff * 2, 4.0)
 
-    with ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(with_retries, i) for i in range(total)]
-        time.sleep(1.0)  # requests in flight and queued at the replica
-        in_flight = sum(not f.done() for f in futures)
+    in_flight: list[int] = []
+    killed_at: list[float] = []
+
+    def kill() -> None:  # the probe's generation is running on the replica now
+        in_flight.append(sum(not f.done() for f in futures))
         ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
-        killed_at = time.monotonic()
+        killed_at.append(time.monotonic())
+
+    probe = {"prompt": PROMPTS[0], "max_tokens": probe_tokens, "temperature": 0,
+             "speculation": {"policy": "ar"}}  # fmt: skip
+    probe_attempts = [0]
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(with_retries, {"prompt": PROMPTS[i % 2], "max_tokens": 16,
+                                              "temperature": 0}, attempts, i)
+                   for i in range(total)]  # fmt: skip
+        probe_text = with_retries(probe, probe_attempts, 0, first=kill)
         texts = [f.result() for f in futures]
-    recovered_s = time.monotonic() - killed_at
-    assert in_flight > 0
-    expected = {p: _post(server, {"prompt": p, "max_tokens": 16, "temperature": 0}).json()
-                for p in PROMPTS}  # fmt: skip
-    assert texts == [expected[PROMPTS[i % 2]]["choices"][0]["text"] for i in range(total)]
+    recovered_s = time.monotonic() - killed_at[0]
+    assert probe_attempts[0] > 1  # the stream running at the kill failed, then a retry passed
+    assert probe_text == _plain_greedy(pair, PROMPTS[0], probe_tokens)[1]
+    expected = [_plain_greedy(pair, p, 16)[1] for p in PROMPTS]
+    assert texts == [expected[i % 2] for i in range(total)]
     (new,) = _replica_actor_names()
     assert new != old  # the controller replaced the killed replica
     retried = sum(a > 1 for a in attempts)
-    line = (f"replica killed with {in_flight} requests outstanding: {retried} retried, all "
-            f"{total} succeeded, {recovered_s:.1f}s after the kill")  # fmt: skip
+    line = (f"replica killed with {in_flight[0]} of {total} requests and a stream outstanding: "
+            f"{retried} retried, all succeeded, {recovered_s:.1f}s after the kill")  # fmt: skip
     print(f"\n{line}")
     record_property("failover", line)
-    assert retried > 0  # the kill did hit requests

@@ -1,24 +1,37 @@
 """Online benchmark (jobs.bench_online): every policy and transformers' assisted generation on
-the same prompts and models in one run, set against our own `ar` at the same temperature and
-against the oracle's bound on the text `ar` generated; the printed table and the metric names."""
+the same prompts and models in one run, each scored like for like (pipeline.bench.scoring):
+
+* measured / measured: decoding time with the prompt's prefill left out, against our own `ar`
+  at the same temperature and, at T = 0, against the oracle's k* decoded online (the replay);
+* modelled / modelled: every step priced with the cost model (T_D of the draft forwards it ran
+  + T_T(m, U, L) with the experts it verified), against the AR price of the same text and the
+  oracle's bound on that same text (matched acceptance: greedy at T = 0, speculative sampling
+  otherwise; k = 0 allowed). Tree policies are not scored against the chain bound.
+"""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pipeline.bench.online_bound import SequenceBound, replay, sequence_bounds
+from pipeline.bench.online_bound import (
+    BoundResult,
+    SequenceBound,
+    modelled_generation,
+    replay,
+    sequence_bounds,
+)
+from pipeline.bench.scoring import OnlineBenchResult
 from pipeline.cost.model import CostModel
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts
-from pipeline.decode.policies.registry import make_policy
+from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.policies.replay import ReplayPolicy
-from pipeline.decode.types import SamplingConfig
+from pipeline.decode.types import SamplingConfig, StepRecord
 from pipeline.models.loading import ModelPair
 
 DEFAULT_POLICIES: list[tuple[str, dict]] = [
@@ -28,10 +41,10 @@ DEFAULT_POLICIES: list[tuple[str, dict]] = [
     ("fixed", {"k": 4}),
     ("heuristic", {}),
     ("confidence", {"threshold": 0.5, "max_k": 8}),
-    ("tree", {"depth": 3, "branch": 2, "gamma": 6}),
+    ("tree", {"depth": 3, "branch": 2, "gamma": 7}),
 ]
-# EcoSpec's operating point (3 draft steps, top-2, gamma 4) next to `tree` at the same gamma,
-# and our marginal rule (lambda from the oracle's policy.json).
+# EcoSpec's operating point (3 draft steps, top-2, gamma 4 verified positions) next to `tree`
+# at the same gamma, and our marginal rule (lambda from the oracle's policy.json).
 COST_AWARE_POLICIES: list[tuple[str, dict]] = [
     ("tree", {"depth": 3, "branch": 2, "gamma": 4}),
     ("ecospec", {"depth": 3, "branch": 2, "gamma": 4}),
@@ -41,22 +54,32 @@ COST_AWARE_POLICIES: list[tuple[str, dict]] = [
 ]
 # --quick: the baseline, the best fixed chain and our rule; no assisted generation.
 QUICK_POLICIES: list[tuple[str, dict]] = [("ar", {}), ("fixed", {"k": 2}), ("marginal", {})]
+TREE_POLICIES = frozenset({"tree", "ecospec", "ecospec-global"})
 
 
-@dataclass(frozen=True)
+@dataclass
 class BenchRow:
     label: str
     temperature: float
     tokens: int
-    seconds: float
+    seconds: float  # decoding steps only: the prompt's prefill is left out
     mean_accepted: float
     mean_unique_experts: float
     verify_share: float
-    outputs: list[list[int]] | None = None
+    tree: bool = False
+    outputs: list[list[int]] = field(default_factory=list)
+    steps: list[list[StepRecord]] = field(default_factory=list)
+    policy_ms: float | None = None  # the cost model's price of every step
+    ar_ms: float | None = None  # the AR price of the same text
+    bound: BoundResult | None = None  # the oracle on the same text (chain policies)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        return None if self.policy_ms is None else self.ar_ms / self.policy_ms
 
 
 def _label(name: str, knobs: dict) -> str:
@@ -67,113 +90,87 @@ def bench_policy(pair: ModelPair, prompts: list[list[int]], name: str | Callable
                  temperature: float, max_new_tokens: int,
                  artifacts: PolicyArtifacts | None = None,
                  label: str | None = None) -> BenchRow:  # fmt: skip
-    """``name`` is a policy name, or a callable giving the policy for prompt j."""
+    """``name`` is a policy name, or a callable giving the policy for prompt j. Timed: the
+    decoding steps (a session's start, the prompt's prefill, is not)."""
     engine = SpeculativeEngine(pair)
     sampling = SamplingConfig(temperature=temperature)
-    tokens = 0
-    steps = []
-    outputs = []
-    started = time.perf_counter()
+    seconds, outputs, steps = 0.0, [], []
     for seed, ids in enumerate(prompts):
         policy = name(seed) if callable(name) else make_policy(name, artifacts, **knobs)
-        gen = engine.generate(ids, policy, max_new_tokens, sampling, seed=seed,
-                              stop_at_eos=False)  # fmt: skip
-        tokens += len(gen.tokens)
-        steps.extend(gen.steps)
-        outputs.append(gen.tokens)
-    seconds = time.perf_counter() - started
+        session = engine.start(ids, policy, sampling, seed=seed)
+        started = time.perf_counter()
+        while len(session.generated) < max_new_tokens:
+            session.step()
+        seconds += time.perf_counter() - started
+        outputs.append(list(session.generated))  # a last step may overshoot: it was paid for
+        steps.append(list(session.steps))
+    flat = [s for run in steps for s in run]
     return BenchRow(
         label=label or _label(name, knobs),
         temperature=temperature,
-        tokens=tokens,
+        tokens=sum(len(o) for o in outputs),
         seconds=seconds,
-        mean_accepted=float(np.mean([s.accepted for s in steps])),
-        mean_unique_experts=float(np.mean([s.u_bar for s in steps])),
-        verify_share=sum(s.t_verify_ms for s in steps) / 1e3 / seconds,
+        mean_accepted=float(np.mean([s.accepted for s in flat])),
+        mean_unique_experts=float(np.mean([s.u_bar for s in flat])),
+        verify_share=sum(s.t_verify_ms for s in flat) / 1e3 / seconds,
+        tree=not callable(name) and name in TREE_POLICIES,
         outputs=outputs,
+        steps=steps,
     )
 
 
 @torch.no_grad()
 def bench_assisted(pair: ModelPair, prompts: list[list[int]], temperature: float,
                    max_new_tokens: int) -> BenchRow:  # fmt: skip
-    """transformers' generate(assistant_model=draft), same prompts and token budget."""
-    tokens = 0
-    started = time.perf_counter()
+    """transformers' generate(assistant_model=draft), same prompts and token budget. Its time
+    includes both prefills, measured apart (a target and a draft forward over the prompt) and
+    subtracted, so it is comparable with the engine's step times."""
+    tokens, seconds = 0, 0.0
     for seed, ids in enumerate(prompts):
         torch.manual_seed(seed)
         kwargs = {"do_sample": temperature > 0}
         if temperature > 0:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        x = torch.tensor([ids], device=pair.device)
+        started = time.perf_counter()
+        pair.target(x)
+        pair.draft(x)
+        prefill = time.perf_counter() - started
+        started = time.perf_counter()
         out = pair.target.generate(
-            torch.tensor([ids], device=pair.device), assistant_model=pair.draft,
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            pad_token_id=pair.tokenizer.eos_token_id, **kwargs,
+            x, assistant_model=pair.draft, max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, pad_token_id=pair.tokenizer.eos_token_id, **kwargs,
         )  # fmt: skip
+        seconds += max(1e-9, time.perf_counter() - started - prefill)
         tokens += out.shape[1] - len(ids)
-    seconds = time.perf_counter() - started
     return BenchRow("transformers assisted", temperature, tokens, seconds, float("nan"),
                     float("nan"), float("nan"))  # fmt: skip
 
 
-@dataclass(frozen=True)
-class OnlineBenchResult:
-    rows: list[BenchRow]
-    bounds: dict[float, float]  # the oracle's S per temperature
-    replay_lines: list[str]  # per replayed prompt at T=0: states, agreement, measured vs model
-    n_prompts: int
-    max_new_tokens: int
-    device: str
-    lam: float  # ms/token, from the oracle's policy.json
-    lmax: int
-    cost_mape_pct: float | None  # the cost model's out-of-sample MAPE, if its fit recorded it
-
-    def speedup(self, row: BenchRow) -> float:
-        ar = next(r for r in self.rows if r.label == "ar" and r.temperature == row.temperature)
-        return row.tokens_per_s / ar.tokens_per_s
-
-    def metrics(self) -> dict[str, float]:
-        """tok/s, speedup and fraction of the bound per row, and the bound per temperature."""
-        out: dict[str, float] = {}
-        for r in self.rows:
-            speedup = self.speedup(r)
-            key = _metric_key(r.label, r.temperature)
-            out.update({f"{key}_tok_s": r.tokens_per_s, f"{key}_speedup": speedup,
-                        f"{key}_of_bound": speedup / self.bounds[r.temperature]})  # fmt: skip
-        out.update({f"bound_T{t:g}": s for t, s in self.bounds.items()})
-        return out
-
-
-def _metric_key(label: str, temperature: float) -> str:
-    """An MLflow metric name (alphanumerics, _ - . only) for a row label."""
-    key = re.sub(r"[^0-9A-Za-z.\-]+", "_", f"{label}_T{temperature:g}")
-    return key.strip("_")
-
-
-def _cost_mape_pct(cost: CostModel) -> float | None:
-    """The calibration's out-of-sample MAPE pooled over draft lengths, weighted by rounds."""
-    per_m = cost.meta.get("fit", {}).get("per_m", {})
-    if not per_m:
-        return None
-    n = sum(f["n"] for f in per_m.values())
-    return sum(f["n"] * f["oos_mape_pct"] for f in per_m.values()) / n
-
-
-def _replay_lines(pair: ModelPair, prompts: list[list[int]], cost: CostModel,
-                  by_prompt: dict[int, SequenceBound]) -> list[str]:  # fmt: skip
-    """The first two prompts decoded with the oracle's k*, against its accepted a and cost."""
+def replay_lines(pair: ModelPair, prompts: list[list[int]], cost: CostModel,
+                 by_prompt: dict[int, SequenceBound]) -> list[str]:  # fmt: skip
+    """The first two prompts decoded with the oracle's k*, against its accepted a, its U and
+    its modelled cost."""
     lines = []
     for j, b in sorted(by_prompt.items())[:2]:
         rep = replay(pair, b, prompts[j], cost)
-        same = sum(x == y for x, y in zip(rep.accepted, rep.oracle_accepted, strict=True))
+        same_a = sum(x == y for x, y in zip(rep.accepted, rep.oracle_accepted, strict=True))
+        same_u = sum(abs(x - y) < 1e-9 for x, y in zip(rep.online_u, rep.oracle_u, strict=True))
         lines.append(
-            f"prompt {j}: {len(rep.states)} steps, accepted = oracle's a in {same}; "
-            f"measured {sum(rep.measured_ms):.1f} ms vs modelled "
-            f"{sum(rep.modelled_ms):.1f} ms ({rep.relative_error:+.1%}; "
-            f"{rep.relative_error_online_u:+.1%} against the same model priced with the "
-            "experts the passes really used)"
+            f"prompt {j}: {len(rep.states)} steps, accepted = oracle's a in {same_a}, verified "
+            f"experts = oracle's U in {same_u}; measured {sum(rep.measured_ms):.1f} ms vs "
+            f"modelled {sum(rep.modelled_ms):.1f} ms ({rep.relative_error:+.1%})"
         )
     return lines
+
+
+def _price(row: BenchRow, pair: ModelPair, prompts: list[list[int]],
+           artifacts: PolicyArtifacts) -> None:  # fmt: skip
+    """The row's own steps and text priced with the cost model."""
+    runs = [modelled_generation(pair, p, out, st, artifacts.cost)
+            for p, out, st in zip(prompts, row.outputs, row.steps, strict=True)]  # fmt: skip
+    row.policy_ms = sum(r.policy_ms for r in runs)
+    row.ar_ms = sum(r.ar_ms for r in runs)
 
 
 def run_online_bench(
@@ -187,57 +184,50 @@ def run_online_bench(
     progress: Callable[[str], None] = lambda line: None,
 ) -> OnlineBenchResult:
     """Every policy (QUICK_POLICIES with ``quick``) at every temperature, assisted generation
-    unless ``quick``, the oracle's bound on `ar`'s text (exact-greedy acceptance at T=0, the
-    surrogate otherwise) and, at T=0, the oracle's k* decoded online. ``progress`` gets a line
-    before each policy runs."""
+    unless ``quick``; each chain policy's text bounded by the oracle (matched acceptance, the
+    same cost model; texts shared between policies are solved once) and, at T = 0, the oracle's
+    k* decoded online. ``progress`` gets a line before each policy runs."""
     policies = QUICK_POLICIES if quick else DEFAULT_POLICIES + COST_AWARE_POLICIES
+    unknown = {name for name, _ in policies} - POLICIES.keys()
+    assert not unknown, unknown
     rows: list[BenchRow] = []
-    bounds: dict[float, float] = {}
-    replay_lines: list[str] = []
+    lines: list[str] = []
+    bounds: dict[tuple, BoundResult] = {}
+
+    def bound_of(row: BenchRow, temp: float) -> BoundResult:
+        key = (temp, tuple(map(tuple, row.outputs)))
+        if key not in bounds:
+            acceptance = "greedy" if temp == 0 else "sampling"
+            bounds[key] = sequence_bounds(pair, prompts, row.outputs, artifacts.cost, lmax,
+                                          acceptance, temperature=temp or 1.0)  # fmt: skip
+        return bounds[key]
+
     for temp in temperatures:
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
         for name, knobs in policies:
             progress(f"T={temp:g} {name} {knobs or ''}")
-            rows.append(bench_policy(pair, prompts, name, knobs, temp, max_new_tokens,
-                                     artifacts))  # fmt: skip
+            row = bench_policy(pair, prompts, name, knobs, temp, max_new_tokens, artifacts)
+            _price(row, pair, prompts, artifacts)
+            if not row.tree:
+                row.bound = bound_of(row, temp)
+            rows.append(row)
         if not quick:
             rows.append(bench_assisted(pair, prompts, temp, max_new_tokens))
-        ar_row = next(r for r in rows if r.label == "ar" and r.temperature == temp)
-        acceptance = "greedy" if temp == 0 else "surrogate"
-        bound = sequence_bounds(pair, prompts, ar_row.outputs, artifacts.cost, lmax, acceptance)
-        bounds[temp] = bound.speedup
         if temp == 0:
-            # The oracle's own decisions, decoded online: S realised, and the cost model's error.
-            by_prompt = {int(b.seq.seq_id.split("-")[1]): b for b in bound.sequences}
+            # The oracle's own decisions on the greedy text, decoded online.
+            ar_row = next(r for r in rows if r.label == "ar" and r.temperature == 0)
+            greedy = bound_of(ar_row, 0.0)
+            by_prompt = {int(b.seq.seq_id.split("-")[1]): b for b in greedy.sequences}
 
             def replay_policy(j: int, by_prompt=by_prompt) -> ReplayPolicy:
                 return ReplayPolicy(by_prompt[j].solution.k_star, len(prompts[j]))
 
-            rows.append(bench_policy(pair, prompts, replay_policy, {}, temp, max_new_tokens,
-                                     label="oracle-replay (k*)"))  # fmt: skip
-            replay_lines += _replay_lines(pair, prompts, artifacts.cost, by_prompt)
-    return OnlineBenchResult(rows, bounds, replay_lines, len(prompts), max_new_tokens,
-                             str(pair.device), artifacts.lam, lmax,
-                             _cost_mape_pct(artifacts.cost))  # fmt: skip
-
-
-def format_online_bench(result: OnlineBenchResult) -> str:
-    """The table: one row per policy and temperature, then the bounds, replay and model error."""
-    lines = ["", f"{result.n_prompts} prompts x {result.max_new_tokens} tokens on {result.device}; "
-             f"lambda {result.lam:.3f} ms/token", ""]  # fmt: skip
-    lines.append(f"{'policy':<42}{'T':>4}{'tok/s':>9}{'speedup':>9}{'of bound':>10}"
-                 f"{'accepted':>10}{'U/verify':>10}{'T_verify':>10}")  # fmt: skip
-    for r in result.rows:
-        speedup = result.speedup(r)
-        lines.append(f"{r.label:<42}{r.temperature:>4g}{r.tokens_per_s:>9.1f}{speedup:>8.2f}x"
-                     f"{speedup / result.bounds[r.temperature]:>10.0%}{r.mean_accepted:>10.2f}"
-                     f"{r.mean_unique_experts:>10.2f}{r.verify_share:>9.0%}")  # fmt: skip
-    for temp, s in result.bounds.items():
-        kind = "exact-greedy" if temp == 0 else "surrogate"
-        lines.append(f"oracle bound S at T={temp:g} ({kind} acceptance, Lmax {result.lmax}, the "
-                     f"cost model's prices): {s:.3f}x")  # fmt: skip
-    lines += [f"oracle replay, {line}" for line in result.replay_lines]
-    if result.cost_mape_pct is not None:
-        lines.append(f"cost model error: out-of-sample MAPE {result.cost_mape_pct:.1f}% over the "
-                     "calibration's rounds")  # fmt: skip
-    return "\n".join(lines)
+            progress("T=0 oracle-replay (k*)")
+            row = bench_policy(pair, prompts, replay_policy, {}, temp, max_new_tokens,
+                               label="oracle-replay (k*)")  # fmt: skip
+            _price(row, pair, prompts, artifacts)
+            row.bound = greedy
+            rows.append(row)
+            lines += replay_lines(pair, prompts, artifacts.cost, by_prompt)
+    return OnlineBenchResult(rows, lines, len(prompts), max_new_tokens, str(pair.device),
+                             artifacts.lam, lmax, artifacts.cost)  # fmt: skip

@@ -6,15 +6,15 @@ plots), written under one directory."""
 from __future__ import annotations
 
 import json
-import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from pipeline.cost.fit import CostFit, fit_cost_model
 from pipeline.cost.plots import plot_draft_vs_k, plot_target_vs_experts
+from pipeline.cost.provenance import pair_provenance
 from pipeline.cost.rounds import collect_rounds
 from pipeline.data.prompts import Prompt
 from pipeline.data.shards import write_table_atomic
@@ -44,12 +44,6 @@ def default_repeats(pair: ModelPair) -> int:
     return 1 if pair.device.type == "cuda" else 3
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
 def run_calibration(
     pair: ModelPair,
     prompts: list[Prompt],
@@ -58,22 +52,22 @@ def run_calibration(
     warmup_tokens: int,
     out: Path,
     repeats: int | None = None,
+    look_ks: Iterable[int] = (),
 ) -> CalibrationResult:
-    """Time greedy rounds with a fixed chain of K draft tokens for every K in ``ks``, fit the
-    cost model and write it with its report artifacts under ``out``."""
+    """Time greedy rounds with a fixed chain of K draft tokens for every K in ``ks`` (and look
+    rounds, K tokens and K + 1 draft forwards, for every K in ``look_ks``), fit the cost model
+    and write it with its report artifacts under ``out``."""
     repeats = repeats or default_repeats(pair)
-    rounds = collect_rounds(pair, prompts, ks, max_new_tokens, warmup_tokens, repeats=repeats)
+    rounds = collect_rounds(pair, prompts, ks, max_new_tokens, warmup_tokens, repeats=repeats,
+                            look_ks=look_ks)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     rounds_path = out / "rounds.parquet"
     write_table_atomic(rounds, rounds_path)
     df = rounds.to_pandas()
     meta = {
-        "device": str(pair.device),
-        "device_name": device_name(pair.device),
-        "dtype": str(pair.dtype).replace("torch.", ""),
-        "experts_implementation": pair.experts_implementation,
-        "target_model": pair.target_path,
-        "draft_model": pair.draft_path,
+        # device, dtype, experts implementation, checkpoint paths and fingerprints: what
+        # CostModel.check_measured_on compares wherever the model is used
+        **pair_provenance(pair),
         "batch_size": 1,
         "timing_repeats": repeats,
     }

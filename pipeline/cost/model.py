@@ -1,13 +1,38 @@
 """The verification-cost model read by the oracle and the online policies (DESIGN section 3):
-``T_T(m, U, L) = beta0(m) + alpha(m) U + c L`` and ``T_D(k) = a k + b``, in milliseconds."""
+``T_T(m, U, L) = beta0(m) + alpha(m) U + c L`` and ``T_D(n) = a n + b`` over n draft
+forwards, in milliseconds; and the check that it is used on the setup it was measured on."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+# What check_measured_on compares (pipeline.cost.provenance builds these dicts). The paths
+# target_model / draft_model are shown beside their fingerprints, never compared: they differ
+# between clones of one checkpoint.
+PROVENANCE_FIELDS = ("device", "device_name", "dtype", "experts_implementation",
+                     "target_fingerprint", "draft_fingerprint")  # fmt: skip
+_PATH_OF = {"target_fingerprint": "target_model", "draft_fingerprint": "draft_model"}
+ALLOW_HINT = ("recalibrate on this setup (python -m jobs.calibrate) and use its costmodel.json, "
+              "or go on anyway: --allow-costmodel-mismatch in the jobs, allow_mismatch=True in "
+              "the library")  # fmt: skip
+
+
+class CostModelMismatchError(ValueError):
+    """The cost model was measured on another device, dtype, experts implementation or
+    checkpoints than the ones it is about to price."""
+
+
+def _same(key: str, measured: Any, used: Any) -> bool:
+    if key == "device":  # cuda:0 and cuda:1 are the same kind of device
+        return str(measured).split(":")[0] == str(used).split(":")[0]
+    return measured == used
 
 
 @dataclass
@@ -18,6 +43,7 @@ class CostModel:
     draft_a: float
     draft_b: float
     meta: dict[str, Any] = field(default_factory=dict)  # device, dtype, fit quality ...
+    source: str = field(default="", compare=False)  # the file it was loaded from (messages)
 
     def t_target(self, m: int, u_bar: float, ctx_len: float) -> float:
         if m not in self.beta0:
@@ -25,8 +51,12 @@ class CostModel:
             raise KeyError(f"the cost model has no coefficients for m = {m} (calibrated: {known})")
         return self.beta0[m] + self.alpha[m] * u_bar + self.c * ctx_len
 
-    def t_draft(self, k: int) -> float:
-        return self.draft_a * k + self.draft_b if k > 0 else 0.0
+    def t_draft(self, n: int) -> float:
+        """The draft time of a proposal that ran ``n`` draft FORWARDS (StepRecord.draft_forwards),
+        not of its k drafted tokens: a fixed chain of k runs k, a chain that looked at one more
+        distribution before stopping at k runs k + 1, a look that ended in k = 0 runs 1, and
+        no draft (n = 0) costs nothing."""
+        return self.draft_a * n + self.draft_b if n > 0 else 0.0
 
     @property
     def max_m(self) -> int:
@@ -50,6 +80,50 @@ class CostModel:
             raise ValueError(f"{purpose} needs m = {min(ms)}..{max(ms)}, but "
                              + self.missing_m_message(ms))  # fmt: skip
         return self
+
+    def provenance_mismatches(self, provenance: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """``field -> (measured on, used with)`` for every field of PROVENANCE_FIELDS present in
+        ``provenance`` that differs. Fields absent from ``provenance`` are not compared; a
+        value None there means unknown and matches nothing; a field this cost model does not
+        record (a file from before provenance was recorded) differs with measured None."""
+        out = {}
+        for key in PROVENANCE_FIELDS:
+            if key not in provenance:
+                continue
+            measured, used = self.meta.get(key), provenance[key]
+            if measured is None or used is None or not _same(key, measured, used):
+                out[key] = (measured, used)
+        return out
+
+    def check_measured_on(
+        self, provenance: dict[str, Any], allow_mismatch: bool = False
+    ) -> list[str]:
+        """Refuse to price a setup other than the one measured: a CostModelMismatchError (a
+        ValueError) lists every differing field and how to go on anyway; with
+        ``allow_mismatch`` the same text is logged as a warning and returned as lines."""
+        diffs = self.provenance_mismatches(provenance)
+        if not diffs:
+            return []
+        lines = []
+        for key, (measured, used) in diffs.items():
+            path = _PATH_OF.get(key)
+            used_text = "unknown" if used is None else used
+            if path:
+                where = provenance.get(path)
+                used_text += f" ({where})" if used else f" (no checkpoint on disk at {where})"
+            if measured is None:
+                lines.append(f"{key}: not recorded in the cost model (written before it "
+                             f"recorded its provenance), used with {used_text}")  # fmt: skip
+                continue
+            measured_text = f"{measured} ({self.meta.get(path)})" if path else measured
+            lines.append(f"{key}: measured on {measured_text}, used with {used_text}")
+        name = f"the cost model {self.source}" if self.source else "the cost model"
+        text = f"{name} was measured on another setup than the one it is used with:\n  "
+        text += "\n  ".join(lines)
+        if not allow_mismatch:
+            raise CostModelMismatchError(f"{text}\nTo fix: {ALLOW_HINT}.")
+        log.warning("%s\ngoing on anyway, as allowed: its prices are another setup's", text)
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         clash = {"beta0", "alpha", "c", "draft"} & self.meta.keys()
@@ -83,10 +157,16 @@ class CostModel:
 
     @classmethod
     def load(
-        cls, path: str | Path, need_m: Iterable[int] | None = None, purpose: str = "the caller"
+        cls,
+        path: str | Path,
+        need_m: Iterable[int] | None = None,
+        purpose: str = "the caller",
+        provenance: dict[str, Any] | None = None,
+        allow_mismatch: bool = False,
     ) -> CostModel:
-        """The one loader: read ``path`` (a costmodel.json from jobs.calibrate) and check that
-        it covers every m in ``need_m``, naming the missing ones."""
+        """The one loader: read ``path`` (a costmodel.json from jobs.calibrate), check that it
+        covers every m in ``need_m`` (naming the missing ones) and, given the ``provenance`` of
+        the setup it will price (pipeline.cost.provenance), that it was measured on it."""
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError as exc:
@@ -99,4 +179,7 @@ class CostModel:
             model = cls.from_json(data)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from exc
+        model.source = str(path)
+        if provenance is not None:
+            model.check_measured_on(provenance, allow_mismatch)
         return model if need_m is None else model.require_m(need_m, purpose)

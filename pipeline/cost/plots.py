@@ -1,5 +1,5 @@
 """Figures of the calibration: T_T against U per K with the fitted lines (the paper's
-Figure 1), and T_D against K with the draft line."""
+Figure 1), and T_D against the draft forwards with the draft line."""
 
 from __future__ import annotations
 
@@ -41,13 +41,19 @@ def plot_target_vs_experts(rounds: pd.DataFrame, model: CostModel, path: Path) -
 
 
 def plot_draft_vs_k(rounds: pd.DataFrame, model: CostModel, path: Path) -> Path:
-    spec = rounds[rounds["k"] > 0]
+    """T_D against the draft forwards n the round ran (fixed chains: n = K; looks: K + 1)."""
+    drafted = rounds[rounds["draft_forwards"] > 0]
+    look = drafted["draft_forwards"] != drafted["k"]
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
-    ax.scatter(spec["k"], spec["t_draft_ms"], s=4, alpha=0.3)
-    ks = np.arange(1, int(spec["k"].max()) + 1) if len(spec) else np.arange(1, 2)
-    ax.plot(ks, [model.t_draft(int(k)) for k in ks], color="crimson",
-            label=f"T_D = {model.draft_a:.3f} K + {model.draft_b:.3f}")  # fmt: skip
-    ax.set_xlabel("K (draft tokens)")
+    for sel, label in ((~look, "fixed chain of K"), (look, "K tokens + one look")):
+        if sel.any():
+            ax.scatter(drafted.loc[sel, "draft_forwards"], drafted.loc[sel, "t_draft_ms"], s=4,
+                       alpha=0.3, label=label)  # fmt: skip
+    top = int(drafted["draft_forwards"].max()) if len(drafted) else 1
+    ns = np.arange(1, top + 1)
+    ax.plot(ns, [model.t_draft(int(n)) for n in ns], color="crimson",
+            label=f"T_D = {model.draft_a:.3f} n + {model.draft_b:.3f}")  # fmt: skip
+    ax.set_xlabel("n (draft forwards)")
     ax.set_ylabel("T_D (ms)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -23,6 +23,9 @@ def fit_metrics(fit: CostFit, rounds: pd.DataFrame) -> dict[str, float]:
         "draft_b": model.draft_b,
         "pooled_oos_mape": fit.pooled["oos_mape"],
         "draft_oos_mape": fit.draft["oos_mape"],
+        "draft_oos_r2": fit.draft["oos_r2"],
+        "draft_oos_mape_fixed": fit.draft["oos_mape_fixed"],
+        "draft_oos_mape_look": fit.draft["oos_mape_look"],
     }
     for r in fit.per_m.itertuples():
         for name in ("beta0", "alpha", "alpha_p", "r2", "oos_r2", "oos_rmse", "oos_mape"):
@@ -30,12 +33,13 @@ def fit_metrics(fit: CostFit, rounds: pd.DataFrame) -> dict[str, float]:
     metrics.update({f"pooled_{k}": v for k, v in fit.pooled["coef"].items()})
     for r in fit.factors.itertuples():
         metrics[f"factor_oos_r2_{r.factor}"] = r.oos_r2
-    return {k: float(v) for k, v in metrics.items() if pd.notna(v)}
+    return {k: float(v) for k, v in metrics.items() if v is not None and pd.notna(v)}
 
 
 def format_report(fit: CostFit, per_k: pd.DataFrame) -> str:
     model = fit.model
-    cols = ["k", "m", "rounds", "mean_t_target_ms", "mean_t_draft_ms", "mean_u_bar"]
+    cols = ["k", "m", "draft_forwards", "rounds", "mean_t_target_ms", "mean_t_draft_ms",
+            "mean_u_bar"]  # fmt: skip
     lines = [
         "per-K rounds (sql/calibration_per_k.sql):",
         per_k[[*cols, "mean_accepted"]].to_string(index=False, float_format="{:.3f}".format),
@@ -49,11 +53,14 @@ def format_report(fit: CostFit, per_k: pd.DataFrame) -> str:
             f"({_fmt(r.alpha_se, '.4f')}, p={_fmt(r.alpha_p, '.1e')}) "
             f"{_fmt(r.r2):>9} {_fmt(r.oos_r2):>7} {_fmt(r.oos_mape, '.2f'):>8}%"
         )
-    pc = fit.pooled["coef"]
+    pc, d = fit.pooled["coef"], fit.draft
     lines += [
         "",
-        f"T_D = {model.draft_a:.4f} K + {model.draft_b:.4f} ms (OOS MAPE "
-        f"{fit.draft['oos_mape']:.2f}%, MedAPE {fit.draft['oos_medape']:.2f}%)",
+        f"T_D = {model.draft_a:.4f} n + {model.draft_b:.4f} ms over n draft forwards "
+        f"(fixed chains n = K, looks n = K + 1): OOS R2 {_fmt(d['oos_r2'])}, MAPE "
+        f"{d['oos_mape']:.2f}% (MedAPE {d['oos_medape']:.2f}%); fixed {d['rounds_fixed']} "
+        f"rounds {_fmt(d['oos_mape_fixed'], '.2f')}%, looks {d['rounds_look']} rounds "
+        f"{_fmt(d['oos_mape_look'], '.2f')}%",
         f"pooled: T_T = {pc['const']:.3f} + {pc['u_bar']:.4f} U + {pc['ctx_len']:.2e} L "
         f"+ {pc['k']:.4f} K (OOS MAPE {fit.pooled['oos_mape']:.2f}%)",
         "",

@@ -1,26 +1,57 @@
 """Timed speculative rounds for the verification-cost model (the ``rounds`` table).
 
 For every prompt and every budget K: greedy speculative decoding with a fixed chain of K draft
-tokens (K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs). Each
-round records the target verification time T_T, the draft time T_D, m = K + 1, the routing
-signal U (mean over MoE layers of unique experts in the pass), the context length, KV
-occupancy, the generation id, the category and the accepted count. Budgets are interleaved per
-prompt so slow drifts of the machine do not masquerade as effects of K, and warm-up rounds on
-the first prompt are run for every K and discarded.
+tokens (K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs), and for
+every K in ``look_ks`` a generation of "look" rounds: the chain of K tokens then looks at one
+more draft distribution before stopping, as a policy that decides from the next token's
+distribution does (K + 1 draft forwards; K = 0: one look, no draft token). Each round records
+the target verification time T_T, the draft time T_D, the draft forwards it ran, m = K + 1,
+the routing signal U (mean over MoE layers of unique experts in the pass), the context length,
+KV occupancy, the generation id, the category and the accepted count. Budgets are interleaved
+per prompt so slow drifts of the machine do not masquerade as effects of K, and warm-up rounds
+on the first prompt are run for every kind of round and discarded.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import pyarrow as pa
 
 from pipeline.data.prompts import Prompt, encode
 from pipeline.data.schemas import ROUNDS_SCHEMA
+from pipeline.decode.drafter import Drafter
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.simple import AutoregressivePolicy, FixedPolicy
+from pipeline.decode.types import Candidates
 from pipeline.models.loading import ModelPair
+
+
+@dataclass
+class LookProposer(Policy):
+    """Calibration only, not a registered policy (like decode.policies.replay): a chain of k
+    draft tokens, then one more draft forward whose distribution it looks at and drops, the
+    way `confidence` or `marginal` stop. k + 1 forwards for k tokens; k = 0 is a single look."""
+
+    k: int
+    name = "calibration-look"
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        if self.k == 0:
+            drafter.begin(committed)
+            return Candidates()
+        cands = draft_chain(drafter, committed, self.k)
+        drafter.extend(cands.tokens[-1])  # the look: the distribution after the last token
+        return cands
+
+
+def _policy(k: int, look: bool) -> Policy:
+    if look:
+        return LookProposer(k)
+    return FixedPolicy(k) if k else AutoregressivePolicy()
 
 
 def _generation_rounds(
@@ -30,10 +61,11 @@ def _generation_rounds(
     max_new_tokens: int,
     eos: int | None,
     repeats: int = 1,
+    look: bool = False,
 ) -> list[dict]:
-    """One greedy generation with a fixed chain of k (k = 0: plain steps), a row per round."""
-    policy = FixedPolicy(k) if k else AutoregressivePolicy()
-    session = engine.start(prompt_ids, policy, repeats=repeats)
+    """One greedy generation with a fixed chain of k (k = 0: plain steps), or of look rounds
+    (``look``: k tokens and k + 1 forwards), a row per round."""
+    session = engine.start(prompt_ids, _policy(k, look), repeats=repeats)
     max_pos = getattr(engine.pair.target.config, "max_position_embeddings", 0) or 0
     rows: list[dict] = []
     while len(session.generated) < max_new_tokens:
@@ -45,7 +77,9 @@ def _generation_rounds(
                 "k": k,
                 "m": k + 1,
                 "t_target_ms": rec.t_verify_ms,
-                "t_draft_ms": rec.t_draft_ms if k else 0.0,
+                # No forward, no draft time: what is timed then is only the policy's bookkeeping.
+                "t_draft_ms": rec.t_draft_ms if rec.draft_forwards else 0.0,
+                "draft_forwards": rec.draft_forwards,
                 "u_bar": rec.u_bar,
                 "ctx_len": ctx_len,
                 "kv_tokens": ctx_len - 1,
@@ -68,25 +102,32 @@ def collect_rounds(
     max_prompt_tokens: int = 512,
     repeats: int = 1,
     log: Callable[[str], None] = print,
+    look_ks: Iterable[int] = (),
 ) -> pa.Table:
-    """``repeats`` > 1 times every pass that many times and records the median."""
+    """``repeats`` > 1 times every pass that many times and records the median; ``look_ks``
+    (a subset of ``ks``) adds a generation of look rounds per prompt for each of its K."""
+    look_ks = sorted(set(look_ks))
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     if any(k < 0 for k in ks):
         raise ValueError(f"budgets must be >= 0, got {ks}")
+    if set(look_ks) - set(ks):
+        raise ValueError(f"look budgets {look_ks} must be among the budgets {ks}")
+    # Interleaved per prompt: the look generation right after the fixed one of the same K.
+    kinds = [(k, look) for k in ks for look in (False, True) if not look or k in look_ks]
     tok = pair.tokenizer
     encoded = [encode(tok, p.text, keep_last=max_prompt_tokens) for p in prompts]
     eos = tok.eos_token_id
     engine = SpeculativeEngine(pair)
-    for k in ks:  # warm-up: allocator, kernels, caches; discarded
-        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos)
+    for k, look in kinds:  # warm-up: allocator, kernels, caches; discarded
+        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos, look=look)
     rows: list[dict] = []
     started = time.perf_counter()
     for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
-        for k in ks:
-            for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats):
-                rows.append({"gen_id": f"{prompt.prompt_id}|K{k}", "category": prompt.category,
-                             **row})  # fmt: skip
+        for k, look in kinds:
+            gen_id = f"{prompt.prompt_id}|K{k}" + ("+look" if look else "")
+            for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats, look):
+                rows.append({"gen_id": gen_id, "category": prompt.category, **row})
         elapsed = time.perf_counter() - started
         eta = elapsed / n * (len(prompts) - n)
         log(f"[calibrate] prompt {n}/{len(prompts)}: {len(rows):,} rounds, ETA {eta:.0f}s")

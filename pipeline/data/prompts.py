@@ -107,6 +107,39 @@ def load_humaneval(limit: int | None = None) -> list[Prompt]:
     return prompts if limit is None else prompts[:limit]
 
 
+def _first_turn_reference(reference: Any) -> tuple[str | None, str | None]:
+    """(problem, the first turn's reference) of a present ``reference`` field.
+
+    Spec-Bench stores a string, one entry per turn (MT-bench, QA...), or, for ``rag``, per turn
+    a list of acceptable answers. The prompt is the first turn, so its entry is the reference;
+    from a list of answers the first is kept (alternatives joined would be text no model writes).
+    Every entry is checked, so a malformed later turn still fails the file.
+    """
+    if isinstance(reference, str):
+        return None, reference
+    if not isinstance(reference, list):
+        return (
+            "'reference' must be a string or a list (per turn) of strings or of lists of "
+            f"strings, got {type(reference).__name__}"
+        ), None
+    if not reference:
+        return "'reference' is an empty list", None
+    for turn, entry in enumerate(reference, start=1):
+        if isinstance(entry, list):
+            if not entry:
+                return f"'reference' of turn {turn} is an empty list", None
+            bad = [type(a).__name__ for a in entry if not isinstance(a, str)]
+            if bad:
+                return f"'reference' of turn {turn} must list strings, got {bad[0]}", None
+        elif not isinstance(entry, str):
+            return (
+                f"'reference' of turn {turn} must be a string or a list of strings, "
+                f"got {type(entry).__name__}"
+            ), None
+    first = reference[0]
+    return None, first if isinstance(first, str) else first[0]
+
+
 def _parse_record(record: Any) -> tuple[list[str], dict[str, Any]]:
     """Validate one decoded JSONL record; return (problems, normalised fields)."""
     if not isinstance(record, dict):
@@ -156,22 +189,10 @@ def _parse_record(record: Any) -> tuple[list[str], dict[str, Any]]:
     reference = record.get("reference")
     if reference is None:
         fields["reference"] = None
-    elif isinstance(reference, str):
-        fields["reference"] = reference
-    elif isinstance(reference, list):
-        # MT-bench stores one reference per turn; we prompt with the first turn only.
-        if not reference:
-            problems.append("'reference' is an empty list")
-        elif not isinstance(reference[0], str):
-            problems.append(
-                f"'reference' list must hold strings, got {type(reference[0]).__name__}"
-            )
-        else:
-            fields["reference"] = reference[0]
     else:
-        problems.append(
-            f"'reference' must be a string or a list of strings, got {type(reference).__name__}"
-        )
+        problem, fields["reference"] = _first_turn_reference(reference)
+        if problem:
+            problems.append(problem)
 
     return problems, fields
 
@@ -180,9 +201,12 @@ def load_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> list[P
     """Prompts from a Spec-Bench / MT-bench style JSONL file, in file order.
 
     Each non-blank line is an object with ``question_id`` (int or str), ``category`` (str),
-    ``turns`` (non-empty list of str; the prompt is the first turn) and an optional
-    ``reference`` (str or list of str; the first element is used). The whole file is
-    validated before ``limit`` is applied, so a bad tail is never hidden by a small limit.
+    ``turns`` (non-empty list of str, one or more turns; the prompt is the FIRST turn, later
+    turns are follow-ups that need the model's first answer, so they are not prompts) and an
+    optional ``reference``: a string, or one entry per turn, each a string or (Spec-Bench
+    ``rag``) a list of acceptable answers; the first turn's entry is kept, and of a list its
+    first answer. Every record shape of Spec-Bench's ``question.jsonl`` loads. The whole file
+    is validated before ``limit`` is applied, so a bad tail is never hidden by a small limit.
     """
     _check_limit(limit)
     path = Path(path)

@@ -25,8 +25,11 @@ TOKENS_SCHEMA = pa.schema(
         ("seq_id", pa.string()),
         ("t", pa.int32()),
         ("token_id", pa.int32()),
-        ("draft_prob", pa.float32()),  # P_draft(x_t | x_<t); null at t = 0 (x_0 is the prompt's)
+        # P_draft(x_t | x_<t) at the extraction's temperature; null at t = 0 (x_0: the prompt's)
+        ("draft_prob", pa.float32()),
         ("draft_match", pa.bool_()),  # argmax of the draft at x_<t equals x_t; null at t = 0
+        # P_target(x_t | x_<t) at the same temperature; null at t = 0
+        ("target_prob", pa.float32()),
         ("experts", EXPERTS_TYPE),  # [MoE layers][top-k] experts the target selected for x_t
     ]
 )
@@ -34,6 +37,8 @@ TAILS_SCHEMA = pa.schema(
     [
         ("seq_id", pa.string()),
         ("mode", pa.string()),
+        ("acceptance", pa.string()),  # surrogate | greedy | sampling: the rule y_1 follows
+        ("draw", pa.int32()),  # independent tail draw, 0-based (greedy: 0 only)
         ("s", pa.int32()),  # divergence point: the tail follows x_0..x_s
         ("r", pa.int32()),  # 1-based position in the tail
         ("token_id", pa.int32()),
@@ -53,6 +58,9 @@ ROUNDS_SCHEMA = pa.schema(
         ("m", pa.int32()),
         ("t_target_ms", pa.float64()),
         ("t_draft_ms", pa.float64()),
+        # Draft forward passes of the round, what T_D prices: k for a fixed chain, k + 1 for a
+        # look round (k tokens, then one more distribution looked at; k = 0: one look), 0 at AR.
+        ("draft_forwards", pa.int32()),
         ("u_bar", pa.float64()),
         ("ctx_len", pa.int32()),  # L = L_prompt + i: committed tokens before the round
         ("kv_tokens", pa.int32()),  # target KV-cache length before the pass
@@ -67,9 +75,10 @@ DECISIONS_SCHEMA = pa.schema(
     [
         ("seq_id", pa.string()),
         ("lmax", pa.int32()),
-        ("acceptance", pa.string()),  # surrogate or greedy: the P(a|k) the DP used
+        ("acceptance", pa.string()),  # surrogate | greedy | sampling: the P(a|k) the DP used
+        ("plain_step", pa.bool_()),  # k = 0 (a plain step) was an available action
         ("i", pa.int32()),
-        ("k", pa.int32()),
+        ("k", pa.int32()),  # 0..lmax; 0 = a plain step (m = 1, no draft)
         ("e_accept", pa.float64()),
         ("e_cost_ms", pa.float64()),
         ("e_experts", pa.float64()),
@@ -83,11 +92,18 @@ SUMMARY_SCHEMA = pa.schema(
         ("seq_id", pa.string()),
         ("category", pa.string()),
         ("lmax", pa.int64()),
-        ("acceptance", pa.string()),
+        ("acceptance", pa.string()),  # surrogate | greedy | sampling, priced with its own tails
+        ("plain_step", pa.bool_()),  # k = 0 available (True: the bound is >= 1)
+        ("draws", pa.int32()),  # independent tail draws of this acceptance
         ("n_tokens", pa.int64()),
+        # In-sample: each draw's own optimum, averaged over draws (the bound).
         ("dp0_ms", pa.float64()),
+        # Cross-fitted: k* chosen on one draw, priced on another, both directions averaged (the
+        # achievable estimate); = dp0_ms for greedy (deterministic tails), null with one draw.
+        ("dp0_crossfit_ms", pa.float64()),
         ("ar_ms", pa.float64()),
         ("speedup", pa.float64()),
+        ("speedup_crossfit", pa.float64()),
         ("mean_k", pa.float64()),
         ("mean_accept", pa.float64()),
         # Visit-weighted sums, so totals over sequences can be pooled in SQL.

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.decode.randomness import RandomSource
 from pipeline.decode.types import Candidates, SamplingConfig
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs.cpu().float(), 1, generator=generator))
-
-
 def accept(
-    cands: Candidates, probs: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+    cands: Candidates, probs: torch.Tensor, sampling: SamplingConfig, rng: RandomSource
 ) -> tuple[list[int], list[int]]:
     """Walk the candidates from the root; returns (new tokens, accepted node indices).
 
@@ -46,18 +43,18 @@ def accept(
         elif kids and len(kids) == 1 and cands.q[kids[0]] is not None:
             c = kids[0]
             x, q = cands.tokens[c], cands.q[c].to(p.device)
-            if float(torch.rand((), generator=generator)) < min(1.0, float(p[x] / q[x])):
+            if rng.bernoulli(min(1.0, float(p[x] / q[x]))):
                 nxt = c
             else:
                 residual = (p - q).clamp_min(0)
                 residual = residual / residual.sum() if residual.sum() > 0 else p
-                return [*tokens, _draw(residual, generator)], accepted
+                return [*tokens, rng.categorical(residual)], accepted
         else:
             residual = p.clone()
             nxt = None
             for c in kids:
                 x = cands.tokens[c]
-                if float(torch.rand((), generator=generator)) < float(residual[x]):
+                if rng.bernoulli(float(residual[x])):
                     nxt = c
                     break
                 residual[x] = 0.0
@@ -66,7 +63,7 @@ def accept(
                     break
                 residual = residual / total
             if nxt is None:
-                return [*tokens, _draw(residual if residual.sum() > 0 else p, generator)], accepted
+                return [*tokens, rng.categorical(residual if residual.sum() > 0 else p)], accepted
         accepted.append(nxt)
         tokens.append(cands.tokens[nxt])
         node, row = nxt, nxt + 1

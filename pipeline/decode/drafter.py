@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from pipeline.decode.randomness import RandomSource
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.kvcache import crop_to
 from pipeline.models.loading import ModelPair
@@ -22,19 +23,21 @@ class Drafter:
     that state for the last committed token (the one the verification pass starts with).
     """
 
-    def __init__(self, pair: ModelPair, sampling: SamplingConfig, generator: torch.Generator):
+    def __init__(self, pair: ModelPair, sampling: SamplingConfig, rng: RandomSource):
         self.pair = pair
         self.sampling = sampling
-        self.generator = generator
+        self.rng = rng  # the session's one source of randomness (pipeline.decode.randomness)
         self.cache = DynamicCache(config=pair.draft.config)
         self.committed_len = 0
         self._tree_parents: list[int] = []  # nodes appended to the cache this step
         self.hidden: torch.Tensor | None = None  # [rows, hidden] of the last forward
         self.root_context: torch.Tensor | None = None
         self._last_committed_hidden: torch.Tensor | None = None
+        self.forwards = 0  # draft forward passes since the engine last reset it (one step)
 
     def _forward(self, ids: list[int], **kw) -> torch.Tensor:
         t = torch.tensor([ids], device=self.pair.device)
+        self.forwards += 1
         out = self.pair.draft(
             t, past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kw
         )
@@ -88,9 +91,12 @@ class Drafter:
         return self.sampling.probs(logits)
 
     def sample(self, probs: torch.Tensor) -> int:
+        """x ~ probs (the argmax when greedy). Verification assumes the drafted token follows
+        ``probs`` exactly: a policy decides whether to draft before it samples, never by
+        looking at the sample and dropping it."""
         if self.sampling.greedy:
             return int(probs.argmax())
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+        return self.rng.categorical(probs)
 
     def end(self) -> None:
         crop_to(self.cache, self.committed_len)

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from pipeline.decode.acceptance import accept
 from pipeline.decode.drafter import Drafter
+from pipeline.decode.randomness import RandomSource, TorchRandom
 from pipeline.decode.stream import GenerationStream
 from pipeline.decode.types import Candidates, Generation, SamplingConfig, StepOutcome, StepRecord
 from pipeline.models.kvcache import crop_to, keep_positions
@@ -28,21 +29,23 @@ class DecodeSession:
     """One generation in progress: both caches, the committed tokens, the step records."""
 
     def __init__(
-        self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed, repeats: int = 1
-    ):
+        self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed, repeats: int = 1,
+        rng: RandomSource | None = None,
+    ):  # fmt: skip
         """``repeats`` > 1 (calibration) runs every draft proposal and verification pass that
         many times, rolling the caches back in between, and records the median times; only
-        greedy decoding, whose repeats are identical, allows it."""
+        greedy decoding, whose repeats are identical, allows it. ``rng`` is where every random
+        draw comes from (default: a torch.Generator seeded with ``seed``, 0 when None)."""
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         self.pair = pair
         self.policy = policy
         self.sampling = sampling
-        self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
+        self.rng = rng if rng is not None else TorchRandom(0 if seed is None else seed)
         self.committed = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.target_cache = DynamicCache(config=pair.target.config)
-        self.drafter = Drafter(pair, sampling, self.generator)
+        self.drafter = Drafter(pair, sampling, self.rng)
         with torch.no_grad():
             if len(self.committed) > 1:
                 ids = torch.tensor([self.committed[:-1]], device=pair.device)
@@ -66,18 +69,31 @@ class DecodeSession:
     @torch.no_grad()
     def step(self) -> list[int]:
         """Draft, verify in one target forward, accept, roll back; the new tokens."""
-        pair = self.pair
+        cands, t_draft = self.draft()
+        logits, routing, t_verify = self.verify(cands)
+        return self.commit(cands, logits, routing, t_draft, t_verify)
+
+    # The step's three phases, separate so that a test can enumerate each one's random draws
+    # from a snapshot of the session without re-running the phases before it.
+    @torch.no_grad()
+    def draft(self) -> tuple[Candidates, float]:
+        """The policy's proposal (the draft cache rolled back after it) and its time in ms."""
 
         def propose() -> Candidates:
+            self.drafter.forwards = 0
             try:
                 return self.policy.propose(self.drafter, self.committed)
             finally:
                 self.drafter.end()
 
         draft_len = self.drafter.cache.get_seq_length()
-        cands, t_draft = self._timed_repeats(
-            propose, lambda: crop_to(self.drafter.cache, draft_len)
-        )
+        return self._timed_repeats(propose, lambda: crop_to(self.drafter.cache, draft_len))
+
+    @torch.no_grad()
+    def verify(self, cands: Candidates) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One target forward over the last committed token and every candidate: its logits,
+        the routing of the pass and its time in ms (the target cache holds all positions)."""
+        pair = self.pair
         base = len(self.committed) - 1
         ids = torch.tensor([[self.committed[-1], *cands.tokens]], device=pair.device)
         kwargs = {}
@@ -86,21 +102,30 @@ class DecodeSession:
             mask, positions = tree_attention_inputs(parents, base, pair.target.dtype, pair.device)
             kwargs = {"attention_mask": mask, "position_ids": positions}
 
-        def verify():
+        def run():
             with RoutingCapture(pair.target, pair.spec) as capture:
                 out = pair.target(ids, past_key_values=self.target_cache, use_cache=True, **kwargs)
                 return out.logits[0], capture.take(1, ids.shape[1])[0]
 
         (logits, routing), t_verify = self._timed_repeats(
-            verify, lambda: crop_to(self.target_cache, base)
+            run, lambda: crop_to(self.target_cache, base)
         )
-        new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.generator)
+        return logits, routing, t_verify
+
+    def commit(
+        self, cands: Candidates, logits: torch.Tensor, routing: torch.Tensor, t_draft: float,
+        t_verify: float,
+    ) -> list[int]:  # fmt: skip
+        """Accept (the step's only draws after drafting), keep the accepted path in the target
+        cache, record the step, let the policy adapt; the new tokens."""
+        base = len(self.committed) - 1
+        new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.rng)
         keep_positions(self.target_cache, base, [0] + [n + 1 for n in accepted])
         self.committed.extend(new)
         routing_np = routing.cpu().numpy()
         unique = [len(np.unique(routing_np[:, layer])) for layer in range(routing_np.shape[1])]
         record = StepRecord(len(cands), len(cands) + 1, len(accepted), len(new), unique,
-                            t_draft, t_verify)  # fmt: skip
+                            t_draft, t_verify, self.drafter.forwards)  # fmt: skip
         self.steps.append(record)
         self.policy.update(StepOutcome(cands, len(accepted), record))
         return new
@@ -115,10 +140,11 @@ class SpeculativeEngine:
         self.pair = pair
 
     def start(
-        self, prompt_ids: list[int], policy, sampling=None, seed=None, repeats: int = 1
-    ) -> DecodeSession:
+        self, prompt_ids: list[int], policy, sampling=None, seed=None, repeats: int = 1,
+        rng: RandomSource | None = None,
+    ) -> DecodeSession:  # fmt: skip
         return DecodeSession(
-            self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed, repeats
+            self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed, repeats, rng
         )
 
     def stream(

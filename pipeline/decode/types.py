@@ -63,6 +63,10 @@ class StepRecord:
     unique_experts: list[int]  # per MoE layer, over the whole verification pass
     t_draft_ms: float
     t_verify_ms: float
+    # Draft forward passes the proposal ran (a chain that looked at one more token before
+    # stopping at k ran k + 1; a look that ended in k = 0 ran one; `ar` runs none): what the
+    # cost model's T_D prices.
+    draft_forwards: int = 0
 
     @property
     def u_bar(self) -> float:

@@ -1,8 +1,9 @@
 """Reproducible sampling that does not depend on batching or on which worker runs it.
 
-Every random draw is a pure function of a 64-bit key (derived from the run seed, the sequence
-and the divergence point) and a step counter, hashed with splitmix64. The same tail therefore
-gets the same tokens whether it is sampled alone or packed with a thousand others, on any node.
+Every random draw is a pure function of a 64-bit key (derived from the run seed, the sequence,
+the acceptance rule, the draw number and the divergence point) and a step counter, hashed with
+splitmix64. The same tail therefore gets the same tokens whether it is sampled alone or packed
+with a thousand others, on any node.
 """
 
 from __future__ import annotations
@@ -59,3 +60,11 @@ def exclude_token(probs: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
         out[rows[empty], forbidden.to(out.device)[empty]] = 0.0
         mass = out.sum(dim=-1, keepdim=True)
     return out / mass
+
+
+def residual_probs(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``norm(max(q - p, 0))`` per row, in float64: where speculative sampling's rejected draft
+    proposals fall. A row with no mass (q <= p everywhere) stays all zero for the caller."""
+    out = (q.detach().to(torch.float64) - p.detach().to(torch.float64)).clamp_(min=0.0)
+    mass = out.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, out / mass.clamp(min=torch.finfo(torch.float64).tiny), out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ray.data import ActorPoolStrategy
 
 from pipeline.data.prompts import Prompt
 from pipeline.data.shards import check_manifest, completed_shards, write_shard
+from pipeline.extract.junk_tails import ACCEPTANCES, draws_per_acceptance
 from pipeline.extract.rows import ExtractStats, extract_sequence
 
 TABLES = ("sequences", "tokens", "tails")
@@ -43,12 +45,16 @@ class ExtractConfig:
     experts_implementation: str = "eager"
     chunk_tokens: int = 2048
     threads: int = 0  # torch threads per CPU actor; 0: share the node's cores among actors
+    acceptances: tuple[str, ...] = ACCEPTANCES  # which junk tails (DESIGN section 3)
+    draws: int = 2  # independent tail draws per acceptance (greedy: one), for cross-fitting
+    temperature: float = 1.0  # of draft_prob, target_prob and the sampled tails
 
     def manifest(self, source: str, limit: int | None, shard_size: int) -> dict[str, Any]:
         """The parameters that determine the rows (device and threads do not)."""
         keep = asdict(self)
         for volatile in ("out", "device", "threads", "chunk_tokens"):
             keep.pop(volatile)
+        keep["acceptances"] = list(self.acceptances)  # as JSON reads it back, for the comparison
         return {**keep, "source": source, "limit": limit, "shard_size": shard_size}
 
 
@@ -80,7 +86,17 @@ class ShardExtractor:
                 prompts, self.pair.target, self.pair.tokenizer, cfg.max_new_tokens, cfg.use_given
             )
             parts = [
-                extract_sequence(self.pair, ref, cfg.lmax, cfg.mode, cfg.seed, cfg.chunk_tokens)
+                extract_sequence(
+                    self.pair,
+                    ref,
+                    cfg.lmax,
+                    cfg.mode,
+                    cfg.seed,
+                    cfg.chunk_tokens,
+                    acceptances=cfg.acceptances,
+                    draws=cfg.draws,
+                    temperature=cfg.temperature,
+                )
                 for ref in refs
             ]
             stats = ExtractStats()
@@ -142,6 +158,10 @@ def run_extraction(
     """Extract every shard not yet written; returns totals for this run and per-node counts."""
     if shard_size < 1:
         raise ValueError(f"shard size must be >= 1, got {shard_size}")
+    # Refuse bad tail parameters here, not in every actor after the models are loaded.
+    draws_per_acceptance(tuple(config.acceptances), config.draws)
+    if not (math.isfinite(config.temperature) and config.temperature > 0):
+        raise ValueError(f"temperature must be a positive number, got {config.temperature}")
     out = Path(config.out)
     check_manifest(out, config.manifest(source, limit, shard_size), overwrite)
     shards = shard_prompts(prompts, shard_size)

@@ -1,13 +1,15 @@
 """Per-sequence extraction: the rows of the ``sequences``, ``tokens`` and ``tails`` tables.
 
-For one reference sequence: one teacher-forced target pass (routing of x_0..x_N, and the KV
-cache the tails are verified against), one teacher-forced draft pass (the probability of each
-reference token, the greedy-match flag, and the first junk token's distribution at every
-divergence point), then the junk tails in packed chunks (pipeline.extract.junk_tails).
+For one reference sequence: one teacher-forced target pass (routing of x_0..x_N, the target's
+probability of each reference token, and the KV cache the tails are verified against), one
+teacher-forced draft pass (the probability of each reference token, the greedy-match flag, and
+the first junk token's distribution at every divergence point), then the junk tails of every
+acceptance rule and draw in packed chunks (pipeline.extract.junk_tails).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +19,14 @@ from transformers import DynamicCache
 
 from pipeline.data.references import ReferenceSequence
 from pipeline.data.schemas import SEQUENCES_SCHEMA, TAILS_SCHEMA, TOKENS_SCHEMA, experts_array
-from pipeline.extract.junk_tails import TailSpecs, route_tails, sample_tails, tail_specs
+from pipeline.extract.junk_tails import (
+    ACCEPTANCES,
+    TailSpecs,
+    first_tokens,
+    route_tails,
+    sample_tails,
+    tail_specs,
+)
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing
 
@@ -89,8 +98,16 @@ def extract_sequence(
     mode: str,
     seed: int,
     chunk_tokens: int = 2048,
+    *,
+    acceptances: tuple[str, ...] = ACCEPTANCES,
+    draws: int = 2,
+    temperature: float = 1.0,
 ) -> SequenceTables:
-    """All rows for one reference sequence. Deterministic for a given (seed, seq_id)."""
+    """All rows for one reference sequence: tails for every acceptance in ``acceptances`` and
+    ``draws`` independent draws of each (greedy: one), probabilities at ``temperature``.
+    Deterministic for a given (seed, seq_id), whatever ``chunk_tokens`` packs together."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive number, got {temperature}")
     _check_sliding_window(pair, len(ref.all_ids) + lmax)
     device = pair.device
     ids = torch.tensor([ref.all_ids], device=device)
@@ -98,22 +115,29 @@ def extract_sequence(
     n = ref.n_tokens
     ref_tokens = torch.tensor(ref.all_ids[p0:], device=device)  # x_0 .. x_N
 
+    # Logits of x_0 .. x_N only (the prompt's other positions predict nothing we use).
+    keep = {"logits_to_keep": n + 1, "use_cache": True}
     target_cache = DynamicCache(config=pair.target.config)
-    _, routing = forward_with_routing(
-        pair.target, pair.spec, ids, past_key_values=target_cache, use_cache=True
+    target_out, routing = forward_with_routing(
+        pair.target, pair.spec, ids, past_key_values=target_cache, **keep
     )
     token_routing = routing[0, p0:].to(torch.int16).cpu().numpy()
+    # Row j of `tat` / `at` is the target's / draft's prediction after x_j, i.e. for x_{j+1}.
+    tat = target_out.logits[0, :n]
+    del target_out
 
     draft_cache = DynamicCache(config=pair.draft.config)
-    draft_logits = pair.draft(ids, past_key_values=draft_cache, use_cache=True).logits[0]
-    # Row j of `at` is the draft's prediction after x_j, i.e. for x_{j+1}, j = 0..N-1.
-    at = draft_logits[p0 : p0 + n].float()
-    probs = torch.softmax(at, dim=-1)
+    at = pair.draft(ids, past_key_values=draft_cache, **keep).logits[0, :n].float()
     nxt = ref_tokens[1:]
-    draft_prob = probs.gather(1, nxt.view(-1, 1)).view(-1).cpu().numpy()
+
+    def prob_of_reference(logits: torch.Tensor) -> np.ndarray:
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return logp.gather(1, nxt.view(-1, 1)).view(-1).exp().cpu().numpy()
+
+    draft_prob, target_prob = prob_of_reference(at), prob_of_reference(tat)
     draft_match = (at.argmax(-1) == nxt).cpu().numpy()
 
-    specs = tail_specs(n, lmax, mode, seed, ref.seq_id)
+    specs = tail_specs(n, lmax, mode, seed, ref.seq_id, acceptances, draws)
     contexts_all = ref.prompt_len + specs.s  # cached positions x_{<=s} a tail may see
     tail_tokens: list[np.ndarray] = []
     tail_routing: list[np.ndarray] = []
@@ -121,7 +145,8 @@ def extract_sequence(
         part = specs.take(group)
         ctx = contexts_all[group]
         s_idx = torch.from_numpy(part.s).to(device)
-        tails = sample_tails(pair.draft, draft_cache, probs[s_idx], nxt[s_idx], ctx, part)
+        first = first_tokens(at[s_idx], tat[s_idx], nxt[s_idx], part, temperature)
+        tails = sample_tails(pair.draft, draft_cache, first, ctx, part, temperature)
         tail_routing.append(route_tails(pair.target, pair.spec, target_cache, tails, ctx))
         tail_tokens.extend(tails)
 
@@ -144,6 +169,8 @@ def extract_sequence(
         {
             "seq_id": pa.array([ref.seq_id] * total_tail, pa.string()),
             "mode": pa.array([mode] * total_tail, pa.string()),
+            "acceptance": pa.array(reps(specs.acceptance), pa.string()),
+            "draw": pa.array(reps(specs.draw), pa.int32()),
             "s": pa.array(reps(specs.s), pa.int32()),
             "r": pa.array(r, pa.int32()),
             "token_id": pa.array(
@@ -167,6 +194,7 @@ def extract_sequence(
             "token_id": pa.array(ref_tokens.cpu().numpy(), pa.int32()),
             "draft_prob": pa.array([None, *draft_prob.tolist()], pa.float32()),
             "draft_match": pa.array([None, *draft_match.tolist()], pa.bool_()),
+            "target_prob": pa.array([None, *target_prob.tolist()], pa.float32()),
             "experts": experts_array(token_routing),
         },
         schema=TOKENS_SCHEMA,

@@ -1,6 +1,7 @@
 """Context analysis of the oracle's decisions (the paper's Appendix B): label every state by the
-local context of the token it must predict next, then compare how often the oracle drafts one
-token (k* = 1) or many (k* >= 4) per class, with bootstrap intervals clustered by sequence.
+local context of the token it must predict next, then compare how often the oracle takes a plain
+step (k* = 0), drafts one token (k* = 1) or many (k* >= 4) per class, with bootstrap intervals
+clustered by sequence.
 
 Labels come from the decoded text with simple, documented rules (first match wins):
   script change           the token's letters are in another Unicode script than the last letters
@@ -94,19 +95,22 @@ def _bootstrap_share(
 
 
 def class_table(states: pd.DataFrame, reps: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """``states`` has seq_id, label, k_star, visit; shares of k* = 1 and k* >= 4 per class."""
+    """``states`` has seq_id, label, k_star; shares of k* = 0, k* = 1 and k* >= 4 per class."""
     rng = np.random.default_rng(seed)
     rows = []
     for label in CLASSES:
         sub = states[states["label"] == label].assign(
-            k1=lambda d: d["k_star"] == 1, k4=lambda d: d["k_star"] >= 4
-        )
+            k0=lambda d: d["k_star"] == 0, k1=lambda d: d["k_star"] == 1,
+            k4=lambda d: d["k_star"] >= 4,
+        )  # fmt: skip
         if sub.empty:
             continue
+        k0 = _bootstrap_share(sub, "k0", reps, rng)
         k1 = _bootstrap_share(sub, "k1", reps, rng)
         k4 = _bootstrap_share(sub, "k4", reps, rng)
         rows.append({
             "class": label, "states": len(sub), "sequences": sub["seq_id"].nunique(),
+            "share_k0": k0[0], "k0_lo": k0[1], "k0_hi": k0[2],
             "share_k1": k1[0], "k1_lo": k1[1], "k1_hi": k1[2],
             "share_k4": k4[0], "k4_lo": k4[1], "k4_hi": k4[2],
             "mean_k_star": float(sub["k_star"].mean()),

@@ -45,8 +45,9 @@ def union_table_shared(
     token_masks: np.ndarray, tail_masks: np.ndarray, tail_s: np.ndarray, tail_r: np.ndarray,
     lmax: int,
 ) -> np.ndarray:  # fmt: skip
-    """U for every cell from shared tails: ``[N, lmax, lmax + 1]`` indexed ``[i, k - 1, a]``,
-    NaN where the cell does not exist (k > N - i or a > k).
+    """U for every cell from shared tails: ``[N, lmax + 1, lmax + 1]`` indexed ``[i, k, a]``,
+    k = 0..lmax (k = 0: the plain step, U(i, 0, 0) = mean_l |E_l(i)|), NaN where the cell does
+    not exist (k > N - i or a > k).
 
     ``tail_masks[j]`` is tail token j at divergence point ``tail_s[j]``, position ``tail_r[j]``.
     """
@@ -68,7 +69,8 @@ def union_table_paper(
     token_masks: np.ndarray, tail_masks: np.ndarray, tail_i: np.ndarray, tail_k: np.ndarray,
     tail_a: np.ndarray, lmax: int,
 ) -> np.ndarray:  # fmt: skip
-    """U for every cell from independent (paper-mode) tails, one tail per cell with a < k."""
+    """U for every cell from independent (paper-mode) tails, one tail per cell with a < k;
+    shaped and indexed as union_table_shared's."""
     n = token_masks.shape[0] - 1
     ref = reference_unions(token_masks, lmax)
     i, k, a = _cells(n, lmax)
@@ -92,13 +94,13 @@ def union_table_paper(
 
 
 def _cells(n: int, lmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every valid (i, k, a): 0 <= i < N, 1 <= k <= min(lmax, N - i), 0 <= a <= k."""
-    i, k, a = np.meshgrid(np.arange(n), np.arange(1, lmax + 1), np.arange(lmax + 1), indexing="ij")
+    """Every valid (i, k, a): 0 <= i < N, 0 <= k <= min(lmax, N - i), 0 <= a <= k."""
+    i, k, a = np.meshgrid(np.arange(n), np.arange(lmax + 1), np.arange(lmax + 1), indexing="ij")
     valid = (k <= n - i) & (a <= k)
     return i[valid], k[valid], a[valid]
 
 
 def _scatter(n: int, lmax: int, i, k, a, values: np.ndarray) -> np.ndarray:
-    out = np.full((n, lmax, lmax + 1), np.nan)
-    out[i, k - 1, a] = values
+    out = np.full((n, lmax + 1, lmax + 1), np.nan)
+    out[i, k, a] = values
     return out

@@ -2,9 +2,11 @@
 (``predictor/``, from jobs.train_predictor), the cost model (``costmodel.json``, from
 jobs.calibrate) and the oracle's boundary slope lambda (``policy.json``, from jobs.oracle).
 
-The committed copies under models/ were produced on a 2-core CPU; on other hardware calibrate
-and rerun the oracle, then point ``--costmodel`` / ``--policy`` (or this module's loader) at
-the new files, since the cost model is per device.
+The committed copies under models/ were produced on a 2-core x86_64 CPU (float32, eager
+experts) with the embedded models; on other hardware calibrate and rerun the oracle, then point
+``--costmodel`` / ``--policy`` (or this module's loader) at the new files, since the cost model
+is per device. ``PolicyArtifacts.check_pair`` refuses a pair the cost model was not measured on
+(device, dtype, experts implementation, checkpoints) unless told to go on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from pipeline.cost.model import CostModel
-from pipeline.models.loading import REPO_ROOT
+from pipeline.cost.provenance import pair_provenance
+from pipeline.models.loading import REPO_ROOT, ModelPair
 from pipeline.predictor.model import ExpertPredictor, LearnedExpertPredictor
 
 MODELS_DIR = REPO_ROOT / "models"
@@ -41,6 +44,14 @@ class PolicyArtifacts:
                 f"{p.model.num_experts} experts, but the target has {num_moe_layers} x "
                 f"{num_experts}: train one for this target with python -m jobs.train_predictor"
             )
+
+    def check_pair(self, pair: ModelPair, allow_mismatch: bool = False) -> list[str]:
+        """Before decoding with ``pair``: the predictor fits its target (always enforced) and
+        the cost model was measured on its device, dtype, experts implementation and
+        checkpoints (CostModel.check_measured_on: a CostModelMismatchError listing every
+        difference, or with ``allow_mismatch`` a logged warning; the differences returned)."""
+        self.check_target(pair.spec.num_moe_layers, pair.spec.num_experts)
+        return self.cost.check_measured_on(pair_provenance(pair), allow_mismatch)
 
 
 def read_lambda(path: Path) -> float:

@@ -53,19 +53,26 @@ class Policy:
 def draft_chain(
     drafter: Drafter, committed: list[int], k: int, min_conf: float = 0.0
 ) -> Candidates:
-    """Up to k draft tokens, sampled (or argmax when greedy); stops early once the draft's
-    confidence in its own token falls below ``min_conf`` (at least one token is drafted)."""
+    """Up to k draft tokens, sampled (or argmax when greedy). With ``min_conf`` the chain stops
+    before position j >= 1 once the draft's confidence max q at j falls below it (at least one
+    token is drafted).
+
+    The stop is decided from the distribution before sampling, never from the sampled token:
+    verification assumes every drafted x ~ q, and dropping a drawn token for its low q(x)
+    would leave the kept ones following a truncated q (a biased output). At T = 0 the sample
+    is the argmax, so this is the same rule as testing the drafted token. Draft forwards: k
+    for a full chain, k + 1 for one that looked at position k and stopped.
+    """
     cands = Candidates()
     probs = drafter.begin(committed)
     for j in range(k):
-        token = drafter.sample(probs)
-        conf = float(probs[token])
-        if j > 0 and conf < min_conf:
+        if j > 0 and float(probs.max()) < min_conf:
             break
+        token = drafter.sample(probs)
         cands.tokens.append(token)
         cands.parents.append(j - 1)
         cands.q.append(None if drafter.sampling.greedy else probs)
-        cands.confidences.append(conf)
+        cands.confidences.append(float(probs[token]))
         if j + 1 < k:
             probs = drafter.extend(token)
     return cands

@@ -5,8 +5,17 @@ Each node's predicted expert footprint is the union of the experts predicted for
 on its path (E_traj). Starting from a buffer B of experts the verification pass loads anyway
 (the last committed token's), the selection repeatedly takes the unselected node with the best
 score P(path) / (|E_traj \\ B| + eps), where |.| sums over MoE layers, adds it to the selected
-set and its footprint to B, until gamma nodes are selected. `ecospec-global` is the paper's
-static ablation: score P / (|E_traj| + eps), no buffer. Verification is unchanged (lossless).
+set and its footprint to B. `ecospec-global` is the paper's static ablation: score
+P / (|E_traj| + eps), no buffer. Verification is unchanged (lossless).
+
+The budget: the paper's section 5.1 defines gamma as "the total number of tokens verified per
+speculative step, including the bonus token" (gamma = 4 in its experiments), so here the pass
+verifies gamma positions, the root (the last committed token) included: gamma - 1 draft nodes
+(Figure 3's "gamma = 2 draft tokens" is gamma = 3 here). Algorithm 1 scores every unselected
+node; here only nodes whose parent is selected (or is the root) are eligible, so the selected
+set is prefix-closed and verifies without extra ancestors. Since E_traj grows and P(path)
+shrinks along a path, a child never outscores its parent, so this changes only ties (which now
+go to the parent) and cannot let the pass exceed gamma positions.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob
 from pipeline.decode.policies.tree import tree_knobs
-from pipeline.decode.policies.tree_builder import build_tree
+from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
 from pipeline.decode.types import Candidates
 from pipeline.predictor.model import ExpertPredictor
 
@@ -37,28 +46,28 @@ def _minus(footprint: Footprint, buffer: Footprint) -> Footprint:
 def select_nodes(
     path_p: list[float],
     footprints: list[Footprint],
+    parents: list[int],
     gamma: int,
     buffer: Footprint,
     eps: float = 1e-6,
     use_buffer: bool = True,
 ) -> list[int]:
-    """Algorithm 1: indices of the selected nodes, in selection order. ``footprints[j]`` is
-    node j's path footprint E_traj. With ``use_buffer=False`` the score is the static
+    """Algorithm 1 over the eligible nodes: gamma - 1 node indices (gamma verified positions
+    with the root), in selection order. ``footprints[j]`` is node j's path footprint E_traj,
+    ``parents[j]`` its parent (-1: the root). With ``use_buffer=False`` the score is the static
     P / (|E_traj| + eps) (the global-cost ablation)."""
     buf = [set(layer) for layer in buffer]
-    selected: list[int] = []
-    remaining = set(range(len(path_p)))
-    while len(selected) < gamma and remaining:
-        scores = {}
-        for j in sorted(remaining):
-            cost = _size(_minus(footprints[j], buf)) if use_buffer else _size(footprints[j])
-            scores[j] = path_p[j] / (cost + eps)
-        best = max(scores, key=scores.__getitem__)
-        selected.append(best)
-        remaining.discard(best)
+
+    def score(j: int) -> float:
+        cost = _size(_minus(footprints[j], buf)) if use_buffer else _size(footprints[j])
+        return path_p[j] / (cost + eps)
+
+    def take(j: int) -> None:
+        nonlocal buf
         if use_buffer:
-            buf = [a | b for a, b in zip(buf, footprints[best], strict=True)]
-    return selected
+            buf = [a | b for a, b in zip(buf, footprints[j], strict=True)]
+
+    return select_prefix_closed(parents, gamma, score, take)
 
 
 def path_footprints(
@@ -101,8 +110,8 @@ class EcoSpecPolicy(Policy):
         footprints = path_footprints(tree.tokens, tree.parents, self.predictor, tree.contexts)
         root = self.predictor.predict(committed[-1], drafter.root_context)
         buffer = [set(row.tolist()) for row in root]
-        chosen = select_nodes(tree.path_p, footprints, self.gamma, buffer, self.eps,
-                              self.use_buffer)  # fmt: skip
+        chosen = select_nodes(tree.path_p, footprints, tree.parents, self.gamma, buffer,
+                              self.eps, self.use_buffer)  # fmt: skip
         return tree.subset(chosen)
 
 

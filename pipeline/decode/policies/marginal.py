@@ -1,11 +1,12 @@
 """The oracle-driven early-exit rule (DESIGN section 3, "Online marginal rule").
 
-While drafting a chain, with cumulative acceptance probability P_j and the next token's draft
-confidence q, adding the token gains dE[a] = P_j q expected tokens and costs one draft step
-plus the growth of the verification time from m to m + 1 positions with the experts the token
-is predicted to add to the pass's union (the expert buffer). The chain stops as soon as
-dE[Cost] / dE[a] exceeds lambda, the boundary slope the oracle found in delta space
-(policy.json). k = 0 (a plain step) is allowed.
+While drafting a chain, with cumulative acceptance probability P_j and the draft's confidence
+q (its largest probability) at the next position, adding a token gains dE[a] = P_j q expected
+tokens and costs one draft step plus the growth of the verification time from m to m + 1
+positions with the experts the most likely token is predicted to add to the pass's union (the
+expert buffer). The chain stops as soon as dE[Cost] / dE[a] exceeds lambda, the boundary slope
+the oracle found in delta space (policy.json). k = 0 (a plain step) is allowed. The test is
+made before sampling (see propose), which keeps sampling lossless.
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ class MarginalPolicy(Policy):
         return self.acceptance(q) if self.calibrate else q
 
     def propose(self, drafter, committed: list[int]) -> Candidates:
+        """Before drafting position j the rule prices the draft's most likely token there (its
+        confidence max q and its predicted experts) and stops if the ratio exceeds lambda;
+        only then it samples x ~ q and appends it, so that drafted tokens follow q exactly
+        (verification assumes it). P_j and the buffer then grow with the drafted x. At T = 0
+        x is the most likely token: the rule prices exactly what it drafts. Draft forwards:
+        k + 1 for a chain that stopped at k (1 for a plain step), max_k for a full one."""
         cands = Candidates()
         self.trace = []
         ctx = len(committed)
@@ -125,28 +132,36 @@ class MarginalPolicy(Policy):
         u = float(np.mean([len(b) for b in buffer]))
         p_all, m = 1.0, 1
         for j in range(self.max_k):
-            token = drafter.sample(probs)
-            q = float(probs[token])
-            accept = self.accept_probability(q)
-            predicted = self.predictor.predict(token, drafter.hidden[-1])
-            grown = [b | set(row.tolist()) for b, row in zip(buffer, predicted, strict=True)]
-            u_next = float(np.mean([len(b) for b in grown]))
+            context = drafter.hidden[-1]  # the state that produced `probs`
+            top = int(probs.argmax())
+            grown, u_next = self._grow(buffer, top, context)
             d_draft = self.cost.t_draft(j + 1) - self.cost.t_draft(j)  # a (+ b for the first)
             d_cost = d_draft + (
                 self.cost.t_target(m + 1, u_next, ctx) - self.cost.t_target(m, u, ctx)
             )
-            step = MarginalStep(token, p_all * accept, d_cost, u_next - u)
+            step = MarginalStep(top, p_all * self.accept_probability(float(probs[top])),
+                                d_cost, u_next - u)  # fmt: skip
             self.trace.append(step)
             if step.ratio > self.lam:
                 break
+            token = drafter.sample(probs)
+            if token != top:  # what is drafted, not what was priced, carries over
+                grown, u_next = self._grow(buffer, token, context)
+            q = float(probs[token])
             cands.tokens.append(token)
             cands.parents.append(j - 1)
             cands.q.append(None if drafter.sampling.greedy else probs)
             cands.confidences.append(q)
-            p_all, m, buffer, u = p_all * accept, m + 1, grown, u_next
+            p_all, m, buffer, u = p_all * self.accept_probability(q), m + 1, grown, u_next
             if j + 1 < self.max_k:
                 probs = drafter.extend(token)
         return cands
+
+    def _grow(self, buffer: list[set[int]], token: int, context) -> tuple[list[set[int]], float]:
+        """The buffer with ``token``'s predicted experts added, and its mean size per layer."""
+        predicted = self.predictor.predict(token, context)
+        grown = [b | set(row.tolist()) for b, row in zip(buffer, predicted, strict=True)]
+        return grown, float(np.mean([len(b) for b in grown]))
 
     def update(self, outcome: StepOutcome) -> None:
         # A chain's first `accepted` tokens were accepted and the next one (if any) rejected;

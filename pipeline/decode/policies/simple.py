@@ -3,7 +3,8 @@
 ar          no draft: plain autoregressive steps through the same engine
 fixed       a chain of K tokens
 heuristic   transformers' schedule: K += 2 after a fully accepted chain, else K -= 1
-confidence  extend the chain while the draft's confidence stays >= a threshold
+confidence  extend the chain while the draft's confidence (its largest probability at the
+            next position, judged before sampling) stays >= a threshold
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class ConfidencePolicy(Policy):
     max_k: int = 10
     name = "confidence"
     summary = "extend the chain while the draft's confidence stays >= threshold"
-    knobs = (Knob("threshold", float, 0.4, 0.0, 1.0, help="least draft confidence to go on"),
+    knobs = (Knob("threshold", float, 0.4, 0.0, 1.0,
+                  help="least draft confidence (max q at the next position) to go on"),
              step_knob("max_k", 10, "longest chain"))  # fmt: skip
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:

@@ -1,8 +1,14 @@
-"""The draft tree shared by the tree policies (EAGLE-2 style expansion) and the subset of it
-a policy selects for verification."""
+"""The draft tree shared by the tree policies (EAGLE-2 style expansion), the budgeted,
+prefix-closed selection of its nodes, and the subset a policy selects for verification.
+
+Budget contract (shared by `tree` and the EcoSpec policies): ``gamma`` counts the positions
+the verification pass verifies, the root (the last committed token, whose output is the bonus
+token) included: at most gamma - 1 draft nodes, so m <= gamma, never more.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +35,8 @@ class DraftTree:
 
     def subset(self, nodes: list[int]) -> Candidates:
         """Candidates made of ``nodes`` and all their ancestors (verification is
-        prefix-closed), in tree order."""
+        prefix-closed), in tree order. The policies select prefix-closed sets already
+        (select_prefix_closed), so no ancestor is added beyond their budget."""
         keep = set()
         for j in nodes:
             keep.update(self.path(j))
@@ -41,6 +48,31 @@ class DraftTree:
             q=[None] * len(kept),
             confidences=[self.conf[j] for j in kept],
         )
+
+
+def select_prefix_closed(
+    parents: list[int], gamma: int, score: Callable[[int], float],
+    on_select: Callable[[int], None] | None = None,
+) -> list[int]:  # fmt: skip
+    """Up to gamma - 1 nodes, chosen one at a time: the best ``score`` among the eligible
+    nodes (those whose parent is the root or already selected; ties go to the lower index,
+    i.e. the earlier level), ``on_select`` told of each choice before the next is scored.
+
+    Eligibility makes the set prefix-closed by construction, so verifying it needs no extra
+    ancestors: neither ties nor a child that outscores its parent can push the pass past
+    gamma positions. In selection order."""
+    selected: list[int] = []
+    chosen: set[int] = set()
+    while len(selected) < gamma - 1:
+        eligible = [j for j, p in enumerate(parents) if j not in chosen and (p < 0 or p in chosen)]
+        if not eligible:
+            break
+        best = max(eligible, key=score)  # max keeps the first of equal scores
+        selected.append(best)
+        chosen.add(best)
+        if on_select is not None:
+            on_select(best)
+    return selected
 
 
 def build_tree(drafter: Drafter, committed: list[int], depth: int, branch: int) -> DraftTree:

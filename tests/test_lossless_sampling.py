@@ -1,0 +1,155 @@
+"""Every registered policy samples losslessly at T = 1 (and with top-p), proved by exact
+enumeration rather than by sampling: the engine's output distribution of the first three
+tokens, computed over every path of its random draws (tests/exact_enumeration.py), equals the
+target's joint distribution from direct target forwards to 1e-5 per sequence.
+
+Being exact, these tests have no power to state: any bias above float32 rounding (about 1e-7
+here) fails them, where the chi-square test they replace caught a total-variation bias of
+about 0.05 with 80% probability. The same harness shows the bias of the old `confidence` rule
+(sample x ~ q, then drop it when q(x) < threshold).
+
+A policy registered later is covered with its declared defaults unless SMALL_KNOBS gives it
+cheaper ones (the harness refuses a policy that needs too many runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.cost.model import CostModel
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.policies.artifacts import PolicyArtifacts
+from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.registry import POLICIES, make_policy
+from pipeline.decode.types import Candidates, SamplingConfig
+from pipeline.models.loading import ModelPair
+from pipeline.predictor.model import ExpertMLP, LearnedExpertPredictor
+from tests.exact_enumeration import compare, enumerate_outputs, target_joint
+from tests.test_engine import perturbed_pair
+
+VOCAB = 4
+PROMPT = [3, 1, 2]
+N_TOKENS = 3  # the joint distribution of the first three generated tokens
+TOLERANCE = 1e-5  # per sequence (the engine computes in float32)
+SHARPEN = 4.0  # logit scale of the tiny pair: the draft's max q then spans 0.35-0.56
+SAMPLING = SamplingConfig(temperature=1.0)
+
+# Small knobs keep the paths few. The early-exit policies' thresholds sit inside the range of
+# the draft's confidences on this pair, so their stop fires on some paths and not on others
+# (asserted below); marginal's lambda also makes it take plain steps (k = 0) on some.
+SMALL_KNOBS: dict[str, dict[str, Any]] = {
+    "ar": {},
+    "fixed": {"k": 3},
+    "heuristic": {"start_k": 1, "max_k": 2},
+    "confidence": {"threshold": 0.45, "max_k": 2},
+    "tree": {"depth": 2, "branch": 2, "gamma": 4},
+    "ecospec": {"depth": 2, "branch": 2, "gamma": 4},
+    "ecospec-global": {"depth": 2, "branch": 2, "gamma": 4},
+    "marginal": {"lam": 2.5, "max_k": 2},
+}
+# Proposal sizes each policy must show over all paths (its rule really branches).
+MUST_PROPOSE = {"heuristic": {1, 2}, "confidence": {1, 2}, "marginal": {0, 1, 2}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Thousands of tiny forwards: more intra-op threads only contend (10-20x slower on a busy
+    2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair() -> ModelPair:
+    return perturbed_pair("qwen3_moe", noise=0.8, vocab=VOCAB, seed=4, sharpen=SHARPEN)
+
+
+@pytest.fixture(scope="module")
+def artifacts(pair) -> PolicyArtifacts:
+    torch.manual_seed(0)
+    spec = pair.spec
+    predictor = LearnedExpertPredictor(
+        ExpertMLP(VOCAB, pair.draft.config.hidden_size, spec.num_moe_layers, spec.num_experts),
+        spec.top_k,
+    )
+    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
+                     0.001, 0.4, 0.1)  # fmt: skip
+    return PolicyArtifacts(predictor, cost, 500.0)
+
+
+@pytest.fixture(scope="module")
+def joint(pair) -> dict:
+    return target_joint(pair, PROMPT, SAMPLING, N_TOKENS)
+
+
+def _policy(name: str, artifacts: PolicyArtifacts, **extra: Any) -> Policy:
+    return make_policy(name, artifacts, **{**SMALL_KNOBS.get(name, {}), **extra})
+
+
+def _check(pair, policy, sampling, want) -> tuple[float, float, Any]:
+    got = enumerate_outputs(pair, PROMPT, policy, sampling, N_TOKENS)
+    assert sum(got.distribution.values()) == pytest.approx(1.0, abs=1e-9)
+    err, tv = compare(got.distribution, want)
+    return err, tv, got
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_samples_the_target_distribution_exactly(name, pair, artifacts, joint):
+    err, tv, got = _check(pair, _policy(name, artifacts), SAMPLING, joint)
+    assert err < TOLERANCE, (name, err, tv, got.paths)
+    assert MUST_PROPOSE.get(name, set()) <= set(got.proposal_sizes), (name, got.proposal_sizes)
+
+
+@pytest.mark.parametrize(("name", "top_p"), [("fixed", 0.8), ("tree", 0.8), ("marginal", 0.8)])
+def test_top_p_sampling_is_lossless(name, top_p, pair, artifacts):
+    sampling = SamplingConfig(temperature=1.0, top_p=top_p)
+    want = target_joint(pair, PROMPT, sampling, N_TOKENS)
+    assert sum(v == 0 for v in want.values()) > 0  # top-p really cuts tokens here
+    err, tv, _ = _check(pair, _policy(name, artifacts), sampling, want)
+    assert err < TOLERANCE, (name, top_p, err, tv)
+
+
+def test_marginal_with_online_calibration_is_lossless(pair, artifacts, joint):
+    """calibrate=True learns P(accept | q) from each step, so the rule changes along a path."""
+    err, tv, got = _check(pair, _policy("marginal", artifacts, calibrate=True), SAMPLING, joint)
+    assert err < TOLERANCE, (err, tv)
+    assert {0, 1, 2} <= set(got.proposal_sizes)
+    # What it learned changed some decisions: not the proposals of the rule without it.
+    _, _, plain = _check(pair, _policy("marginal", artifacts), SAMPLING, joint)
+    assert got.proposal_sizes != plain.proposal_sizes
+
+
+@dataclass
+class OldConfidencePolicy(Policy):
+    """The rule this issue removed: sample x ~ q, then drop it when q(x) < threshold."""
+
+    threshold: float = 0.45
+    max_k: int = 2
+    name = "old-confidence"
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        cands = Candidates()
+        probs = drafter.begin(committed)
+        for j in range(self.max_k):
+            token = drafter.sample(probs)
+            if j > 0 and float(probs[token]) < self.threshold:
+                break
+            cands.tokens.append(token)
+            cands.parents.append(j - 1)
+            cands.q.append(probs)
+            cands.confidences.append(float(probs[token]))
+            if j + 1 < self.max_k:
+                probs = drafter.extend(token)
+        return cands
+
+
+def test_the_harness_catches_the_old_confidence_rule(pair, joint):
+    err, tv, got = _check(pair, OldConfidencePolicy(), SAMPLING, joint)
+    print(f"old confidence rule: max abs error {err:.4f}, TV {tv:.4f} over {got.paths} paths")
+    assert tv > 0.01 and err > 100 * TOLERANCE, (err, tv)
