@@ -57,8 +57,9 @@ def _setup():
 
 def test_marginal_rule_stops_exactly_where_the_ratio_exceeds_lambda():
     predictor, cost, drafter = _setup()
-    # Step ratios by hand: token 0: dA 0.9, dCost 0.5 + 0 experts -> 0.556; token 1: dA 0.72,
-    # dCost 0.5 + 2 new experts x 1.0 -> 3.47; token 2: dA 0.36, dCost 0.5 -> 1.39.
+    # Step ratios by hand: token 0: dA 0.9, dCost 0.5 (one more draft forward, to look at the
+    # next position) + 0 experts -> 0.556; token 1: dA 0.72, dCost 0.5 + 2 new experts x 1.0
+    # -> 3.47; token 2 (the last of max_k: no look after it, no new expert): dCost 0 -> 0.
     policy = MarginalPolicy(cost, lam=3.0, predictor=predictor, max_k=3)
     cands = policy.propose(drafter, [7, 9])
     assert cands.tokens == [0]
@@ -66,7 +67,7 @@ def test_marginal_rule_stops_exactly_where_the_ratio_exceeds_lambda():
     policy = MarginalPolicy(cost, lam=4.0, predictor=predictor, max_k=3)
     cands = policy.propose(drafter, [7, 9])
     assert cands.tokens == [0, 1, 2]
-    assert [round(s.ratio, 3) for s in policy.trace] == [0.556, 3.472, 1.389]
+    assert [round(s.ratio, 3) for s in policy.trace] == [0.556, 3.472, 0.0]
     assert [s.new_experts for s in policy.trace] == [0.0, 2.0, 0.0]
     policy = MarginalPolicy(cost, lam=0.5, predictor=predictor, max_k=3)
     assert policy.propose(drafter, [7, 9]).tokens == []  # a plain step

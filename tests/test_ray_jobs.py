@@ -25,6 +25,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cost.model import CostModel
+from pipeline.cost.provenance import checkpoint_fingerprint
 from pipeline.models.loading import REPO_ROOT
 from tests.test_extract_pipeline import FIXTURE
 
@@ -145,8 +146,13 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
         ], env, runtime_env)  # fmt: skip
         assert len(list((extract_dir / "tails").glob("shard-*.parquet"))) == 2
         costmodel = tmp_path / "costmodel.json"
+        # A synthetic model that says it was measured on the extraction's checkpoints (the
+        # oracle refuses one that does not).
+        measured_on = {"experts_implementation": "eager",
+                       "target_fingerprint": checkpoint_fingerprint(checkpoints.target),
+                       "draft_fingerprint": checkpoint_fingerprint(checkpoints.draft)}  # fmt: skip
         CostModel({m: 4.0 + 0.3 * m for m in range(1, 5)}, {m: 0.1 for m in range(1, 5)},
-                   0.001, 0.3, 0.05).save(costmodel)  # fmt: skip
+                   0.001, 0.3, 0.05, meta=measured_on).save(costmodel)  # fmt: skip
         _submit_and_wait(address, f"oracle-{port}", [
             "python", "-m", "jobs.oracle", "--extract", str(extract_dir), "--costmodel",
             str(costmodel), "--target", str(checkpoints.target), "--out", str(oracle_dir),

@@ -135,7 +135,11 @@ class MarginalPolicy(Policy):
             context = drafter.hidden[-1]  # the state that produced `probs`
             top = int(probs.argmax())
             grown, u_next = self._grow(buffer, top, context)
-            d_draft = self.cost.t_draft(j + 1) - self.cost.t_draft(j)  # a (+ b for the first)
+            # Forwards run: j + 1 if the chain stops here (this look included), j + 2 if the
+            # token is drafted and the next position looked at (no look past max_k): the
+            # look's own forward and the draft's fixed cost b are sunk either way.
+            more = j + 2 if j + 1 < self.max_k else j + 1
+            d_draft = self.cost.t_draft(more) - self.cost.t_draft(j + 1)
             d_cost = d_draft + (
                 self.cost.t_target(m + 1, u_next, ctx) - self.cost.t_target(m, u, ctx)
             )
