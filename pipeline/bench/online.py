@@ -39,7 +39,7 @@ DEFAULT_POLICIES: list[tuple[str, dict]] = [
     ("fixed", {"k": 1}),
     ("fixed", {"k": 2}),
     ("fixed", {"k": 4}),
-    ("heuristic", {}),
+    ("heuristic", {"max_k": 12}),  # m <= 13: what the committed cost model covers
     ("confidence", {"threshold": 0.5, "max_k": 8}),
     ("tree", {"depth": 3, "branch": 2, "gamma": 7}),
 ]
@@ -167,8 +167,12 @@ def replay_lines(pair: ModelPair, prompts: list[list[int]], cost: CostModel,
 def _price(row: BenchRow, pair: ModelPair, prompts: list[list[int]],
            artifacts: PolicyArtifacts) -> None:  # fmt: skip
     """The row's own steps and text priced with the cost model."""
-    runs = [modelled_generation(pair, p, out, st, artifacts.cost)
-            for p, out, st in zip(prompts, row.outputs, row.steps, strict=True)]  # fmt: skip
+    try:
+        runs = [modelled_generation(pair, p, out, st, artifacts.cost)
+                for p, out, st in zip(prompts, row.outputs, row.steps, strict=True)]  # fmt: skip
+    except KeyError as exc:  # a step verified more positions than the model was calibrated for
+        raise ValueError(f"{row.label}: {exc.args[0]}; bound the policy's knobs to the cost "
+                         "model's m or calibrate larger K") from None  # fmt: skip
     row.policy_ms = sum(r.policy_ms for r in runs)
     row.ar_ms = sum(r.ar_ms for r in runs)
 
