@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from pipeline.cost.model import CostModel
 from pipeline.data.references import ReferenceSequence
@@ -31,7 +30,6 @@ from pipeline.decode.policies.replay import ReplayPolicy
 from pipeline.decode.types import StepRecord
 from pipeline.extract.rows import extract_sequence
 from pipeline.models.loading import ModelPair
-from pipeline.models.routing import forward_with_routing
 from pipeline.oracle.bellman import OracleSolution, acceptance_table, ar_cost, cost_table, solve
 from pipeline.oracle.fanout import crossfit_value
 from pipeline.oracle.inputs import ACCEPTANCE_MODES, SequenceInput, inputs_from_tables
@@ -210,14 +208,11 @@ def price_steps(steps: list[StepRecord], cost: CostModel,
     return out, states
 
 
-@torch.no_grad()
 def text_ar_cost(pair: ModelPair, prompt: list[int], tokens: list[int], cost: CostModel) -> float:
-    """AR cost of ``prompt + tokens`` (x_1..x_N = tokens): one teacher-forced target pass gives
-    the experts of x_0..x_{N-1}, each verified alone by a plain step."""
-    ids = torch.tensor([list(prompt) + list(tokens)], device=pair.device)
-    _, routing = forward_with_routing(pair.target, pair.spec, ids)
-    r = routing[0, len(prompt) - 1 :].cpu().numpy()  # x_0 .. x_N
-    experts = np.array([np.mean([len(set(row.tolist())) for row in pos]) for pos in r])
+    """AR cost of ``prompt + tokens`` (x_1..x_N = tokens): N plain steps, each verifying one
+    position, whose router selects exactly top_k distinct experts per layer (so no model pass
+    is needed: |E(i)| = top_k)."""
+    experts = np.full(len(tokens) + 1, float(pair.spec.top_k))
     return ar_cost(cost, experts, len(prompt))
 
 
