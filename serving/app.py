@@ -4,86 +4,59 @@
     serve run serving.app:build_app target=/ckpt/t draft=/ckpt/d device=cuda num_gpus=1
     serve run serve_config.yaml                                 # GPU cluster, autoscaling
 
-Routes: POST /v1/completions (OpenAI-compatible, plus the ``speculation`` request field and
-response statistics), GET /v1/models, GET /healthz. Generation is synchronous torch code: each
-request's decoding loop runs on the replica's one decoding thread (so one generation at a time
-per model pair, in arrival order) and hands text deltas back to the event loop, which stays
-free for health checks, validation and other streams.
+Routes: POST /v1/completions and POST /v1/chat/completions (OpenAI-compatible, plus the
+``speculation`` request field and response statistics), GET /v1/models, GET /healthz.
+Every generation runs on the replica's one decoding thread (serving.worker), one engine step
+at a time round robin over the generations in flight; the event loop stays free for health
+checks, validation and streams. What bounds one request: the step limits (jointly over a
+policy's knobs), max_tokens, the number of choices, and a deadline.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the route parameters' real types
 # (Serve rebuilds the methods' signatures, and string annotations then fail to resolve).
 import asyncio
-import concurrent.futures
+import importlib
 import logging
 import secrets
-import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import time
 from typing import Any
 
+import psutil
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
 from pipeline.data.prompts import encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
-from pipeline.decode.stats import speculation_stats
-from pipeline.decode.types import Generation, SamplingConfig
+from pipeline.decode.policies.limits import StepLimitError, check_step_limits
+from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
-from serving.errors import RequestError, error_body, install_error_handlers
+from serving import generation
+from serving.auth import install_auth, set_api_key
+from serving.chat import render_chat
+from serving.errors import RequestError, install_error_handlers
+from serving.generation import Choice, Job
+from serving.metrics import ServingMetrics
 from serving.protocol import (
-    CompletionRequest,
-    check_lengths,
-    completion_body,
+    check_token_ids,
+    new_chat_id,
     new_completion_id,
     now,
+    parse_chat_request,
     parse_request,
     read_json,
-    sse,
-    usage,
+    resolve_max_tokens,
 )
+from serving.settings import AppArgs
 from serving.speculation import build_policy, policy_names
+from serving.worker import DecodeWorker
 
 log = logging.getLogger("ray.serve")
 
 DEPLOYMENT_NAME = "SpecboundServer"
-
-
-class AppArgs(BaseModel):
-    """`serve run serving.app:build_app key=value ...` (or `args:` in a Serve config file)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    target: str | None = None  # None: the embedded models, resolved on the replica's node
-    draft: str | None = None
-    device: str = "auto"  # CUDA when the replica has a GPU
-    dtype: str = "auto"
-    model_name: str = "specbound"  # the id in /v1/models and responses
-    max_tokens_limit: int = Field(1024, ge=1)
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    num_cpus: float = Field(1.0, ge=0)  # <= 1 on small machines: the proxy needs a core
-    num_gpus: float | None = Field(None, ge=0)  # None: 1 if this machine has CUDA, else 0
-    max_ongoing_requests: int = Field(8, ge=1)
-    # The committed cost model was measured on one device/dtype/experts implementation and
-    # checkpoint pair; cost-aware policies refuse other settings unless this is set.
-    allow_costmodel_mismatch: bool = False
-
-
-@dataclass
-class Job:
-    """A validated request, ready to decode."""
-
-    request: CompletionRequest
-    prompt_ids: list[int]
-    policy: Any
-    policy_name: str
-    knobs: dict[str, Any]
-    seed: int
 
 
 api = FastAPI(
@@ -91,21 +64,29 @@ api = FastAPI(
     description="OpenAI-compatible completions with speculative decoding for MoE targets",
 )
 install_error_handlers(api)
+# Before @serve.ingress freezes a copy of `api`: the key is read per request from what the
+# replica's __init__ sets (set_api_key).
+install_auth(api)
 
 
-# The controller notices a dead replica at its next health check (default every 10 s).
+# The controller notices a dead or stalled replica at its next health check.
 @serve.deployment(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 1},
                   max_ongoing_requests=8, health_check_period_s=2)  # fmt: skip
 @serve.ingress(api)
 class SpecboundServer:
     def __init__(self, args: AppArgs):
         self.args = args
+        set_api_key(args.api_key)
+        for module in args.policy_modules:
+            importlib.import_module(module)
         self.pair = load_pair(args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT,
                               args.device, args.dtype)  # fmt: skip
-        self.engine = SpeculativeEngine(self.pair)
+        self.limits = args.step_limits()
+        self.engine = SpeculativeEngine(self.pair, self.limits)
         # The cost-aware policies' artifacts, checked against this pair once; if they are
         # missing or were measured elsewhere, those policies answer a 500 naming why (the
         # others keep serving).
+        self.tokenizer = self.pair.tokenizer
         self.artifacts: PolicyArtifacts | None = None
         self.artifacts_error: str | None = None
         try:
@@ -114,25 +95,44 @@ class SpecboundServer:
         except (OSError, ValueError) as exc:
             self.artifacts, self.artifacts_error = None, f"{type(exc).__name__}: {exc}"
             log.warning("cost-aware policies unavailable: %s", self.artifacts_error)
-        self.tokenizer = self.pair.tokenizer
+        self.vocab = min(len(self.tokenizer), self.pair.target.config.vocab_size,
+                         self.pair.draft.config.vocab_size)  # fmt: skip
         self.context = min(
             getattr(m.config, "max_position_embeddings", None) or 1 << 30
             for m in (self.pair.target, self.pair.draft)
         )
         self.created = now()
-        # One decoding thread: generations on this model pair run one at a time, FIFO, and the
-        # lock makes that explicit should the executor ever grow.
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode")
-        self._lock = threading.Lock()
-        self.generations = {"completed": 0, "cancelled": 0, "failed": 0}  # for /healthz
+        self.worker = DecodeWorker(self.engine, args.stall_timeout_s)
+        self.metrics = ServingMetrics()
         log.info("specbound replica ready on %s (context %d)", self.pair.device, self.context)
+
+    def check_health(self) -> None:
+        """Serve's health check: a stuck decode loop makes Serve replace this replica."""
+        why = self.worker.stalled()
+        self.metrics.stalled(why is not None)
+        self.metrics.queue(self.worker.in_flight)
+        if why:
+            raise RuntimeError(f"decode loop stalled: {why}")
+
+    def __del__(self) -> None:
+        # Serve has drained what it could; whatever still runs is cancelled now.
+        worker = getattr(self, "worker", None)
+        if worker is not None and not worker.shutdown(self.args.shutdown_timeout_s):
+            log.warning("decoding thread still busy after %ss; exiting anyway",
+                        self.args.shutdown_timeout_s)  # fmt: skip
 
     # --- routes ---------------------------------------------------------------------------
 
     @api.get("/healthz")
-    async def healthz(self) -> dict:
-        return {"status": "ok", "model": self.args.model_name, "device": str(self.pair.device),
-                "generations": dict(self.generations)}  # fmt: skip
+    async def healthz(self) -> JSONResponse:
+        why = self.worker.stalled()
+        body = {"status": "stalled" if why else "ok", "model": self.args.model_name,
+                "device": str(self.pair.device), "in_flight": self.worker.in_flight,
+                "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+                "generations": dict(self.worker.counts)}  # fmt: skip
+        if why:
+            body["error"] = why
+        return JSONResponse(body, status_code=503 if why else 200)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -152,104 +152,98 @@ class SpecboundServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        data = await read_json(request, self.args.max_body_bytes)
-        req = parse_request(data)
-        if req.model is not None and req.model != self.args.model_name:
-            raise RequestError(
-                f"model '{req.model}' does not exist; this server serves "
-                f"'{self.args.model_name}'",
-                "model", status=404, code="model_not_found",
-            )  # fmt: skip
-        # Tokenizing a long prompt and loading a policy's artifacts are blocking work.
-        job = await asyncio.to_thread(self._prepare, req)
-        cid, created = new_completion_id(), now()
-        if req.stream:
-            return StreamingResponse(
-                self._stream(job, cid, created),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        result = None
-        async for item in self._decode(job):
-            if isinstance(item, Generation):
-                result = item
-        assert result is not None
-        return JSONResponse(completion_body(
-            cid, created, self.args.model_name, result.text, result.finish_reason,
-            usage=usage(len(job.prompt_ids), len(result.tokens)),
-            speculation=speculation_stats(job.policy_name, job.knobs, result.steps),
-        ))  # fmt: skip
+        return await self._serve(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, "chat")
 
     # --- internals ------------------------------------------------------------------------
 
-    def _prepare(self, req: CompletionRequest) -> Job:
-        ids = encode(self.tokenizer, req.prompt)
-        check_lengths(len(ids), req.max_tokens, self.context, self.args.max_tokens_limit)
-        name, knobs = req.speculation_spec
-        policy = build_policy(name, knobs, self.artifacts, self.artifacts_error)
-        # Without a seed every request samples differently (the engine would default to 0).
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        return Job(req, ids, policy, name, knobs, seed)
-
-    async def _decode(self, job: Job) -> AsyncIterator[str | Generation]:
-        """Run the job on the decoding thread; yields text deltas, then the Generation. If the
-        consumer goes away (client disconnect), the generation stops at the next step."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        req = job.request
-
-        def put(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> None:
-            try:
-                with self._lock:
-                    gen = self.engine.stream(
-                        job.prompt_ids, job.policy, req.max_tokens,
-                        SamplingConfig(req.temperature, req.top_p), job.seed, req.stops,
-                    )  # fmt: skip
-                    for delta in gen.deltas(cancel.is_set):
-                        put(delta)
-                    if gen.result.finish_reason == "cancelled":
-                        log.info("client gone: stopped after %d tokens", len(gen.result.tokens))
-                        self.generations["cancelled"] += 1
-                    else:
-                        self.generations["completed"] += 1
-                    put(gen.result)
-            except BaseException as exc:  # handed to the request's coroutine
-                self.generations["failed"] += 1
-                put(exc)
-
-        loop.run_in_executor(self._executor, work)
+    async def _serve(self, request: Request, kind: str):
+        arrived = time.monotonic()
+        route = "chat" if kind == "chat" else "completions"
+        status = 200
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, Generation):
-                    return
-        finally:
-            cancel.set()
-
-    async def _stream(self, job: Job, cid: str, created: int) -> AsyncIterator[str]:
-        model = self.args.model_name
-        try:
-            async for item in self._decode(job):
-                if isinstance(item, Generation):
-                    yield sse(completion_body(
-                        cid, created, model, "", item.finish_reason, chunk=True,
-                        usage=usage(len(job.prompt_ids), len(item.tokens)),
-                        speculation=speculation_stats(job.policy_name, job.knobs, item.steps),
-                    ))  # fmt: skip
-                else:
-                    yield sse(completion_body(cid, created, model, item, None, chunk=True))
+            data = await read_json(request, self.args.max_body_bytes)
+            req = parse_chat_request(data) if kind == "chat" else parse_request(data)
+            if req.model is not None and req.model != self.args.model_name:
+                raise RequestError(
+                    f"model '{req.model}' does not exist; this server serves "
+                    f"'{self.args.model_name}'",
+                    "model", status=404, code="model_not_found",
+                )  # fmt: skip
+            # Tokenizing long prompts and building a policy are blocking work.
+            job = await asyncio.to_thread(self._prepare, req, kind, arrived)
+            if req.stream:
+                return StreamingResponse(
+                    generation.stream(self.worker, job, self._finished(job, arrived)),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            body, results = await generation.respond(self.worker, job)
+            self._finished(job, arrived)(results)
+            return JSONResponse(body)
+        except RequestError as exc:
+            status = exc.status
+            raise
         except Exception:
-            # Headers are out: the error goes in the stream, which the openai client raises.
-            log.exception("generation failed mid-stream (%s)", cid)
-            yield sse(error_body("internal server error during generation", kind="server_error"))
-        yield sse("[DONE]")
+            status = 500
+            raise
+        finally:
+            self.metrics.request(route, status, time.monotonic() - arrived)
+
+    def _finished(self, job: Job, arrived: float):
+        def record(results) -> None:
+            for result in results.values():
+                self.metrics.generation(job.policy_name, result.steps, job.prompt_tokens(),
+                                        len(result.tokens), result.finish_reason, None)  # fmt: skip
+
+        return record
+
+    def _prepare(self, req: Any, kind: str, arrived: float) -> Job:
+        if kind == "chat":
+            prompts = [render_chat(self.tokenizer, req.chat_messages)]
+            params = ["messages"]
+        else:
+            prompts, params = [], [req.prompt_param(i) for i in range(len(req.prompts))]
+            for prompt, param in zip(req.prompts, params, strict=True):
+                if isinstance(prompt, str):
+                    prompts.append(encode(self.tokenizer, prompt))
+                else:
+                    check_token_ids(prompt, self.vocab, param)
+                    prompts.append(list(prompt))
+        if len(prompts) * req.n > self.args.max_choices:
+            raise RequestError(
+                f"{len(prompts)} prompt(s) x n = {req.n} asks for {len(prompts) * req.n} "
+                f"generations; this server allows at most {self.args.max_choices} per request",
+                "n",
+            )  # fmt: skip
+        # A chat request without a limit generates until the context (or the server's limit).
+        max_tokens = min(
+            resolve_max_tokens(req, len(ids), self.context, self.args.max_tokens_limit,
+                               self.args.max_tokens_limit, param)
+            for ids, param in zip(prompts, params, strict=True)
+        )  # fmt: skip
+        name, knobs = req.speculation_spec
+
+        def make_policy():
+            return build_policy(name, knobs, self.artifacts, self.artifacts_error)
+
+        try:
+            check_step_limits(make_policy(), self.limits)
+        except StepLimitError as exc:
+            raise RequestError(str(exc), "speculation", code="step_limit_exceeded") from None
+        # Without a seed every request samples differently (the engine would default to 0);
+        # choice i of a seeded request uses seed + i, so n > 1 choices differ.
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        choices = [Choice(p * req.n + j, p, ids, (seed + p * req.n + j) % (1 << 63))
+                   for p, ids in enumerate(prompts) for j in range(req.n)]  # fmt: skip
+        timeout = min(req.timeout_s or self.args.request_timeout_s, self.args.request_timeout_s)
+        cid = new_chat_id() if kind == "chat" else new_completion_id()
+        return Job(kind, cid, now(), self.args.model_name, choices, make_policy, name, knobs,
+                   max_tokens, SamplingConfig(req.temperature, req.top_p), req.stops,
+                   arrived + timeout)  # fmt: skip
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -263,6 +257,9 @@ def build_app(args: dict[str, Any]) -> Application:
     return SpecboundServer.options(
         ray_actor_options={"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus},
         max_ongoing_requests=cfg.max_ongoing_requests,
+        # Serve drains in-flight requests (each ends by its deadline), then __del__ cancels
+        # what is left; past this Serve kills the replica.
+        graceful_shutdown_timeout_s=cfg.request_timeout_s + cfg.shutdown_timeout_s,
     ).bind(cfg)
 
 

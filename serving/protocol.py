@@ -1,14 +1,14 @@
-"""The HTTP contract of the endpoint: strict pydantic request models, the request body read
-and checked here (size, UTF-8, JSON: FastAPI's errors for these cases are generic), the checks
-that need the model (context length), and the response bodies. Strict types: "max_tokens": "5"
-is an error, not 5."""
+"""The HTTP contract of the endpoint: strict pydantic request models for /v1/completions and
+/v1/chat/completions, the request body read and checked here (size, UTF-8, JSON: FastAPI's
+errors for these cases are generic), the checks that need the model (token ids, context
+length), and (re-exported from serving.responses) the response bodies. Strict types:
+"max_tokens": "5" is an error, not 5. Every refusal is a RequestError (400) whose message and
+param name the offending item, down to "prompt[1]" or "messages[0].content[2].text"."""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from typing import Any
+from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import (
@@ -20,24 +20,37 @@ from pydantic import (
     field_validator,
 )
 
+from serving.checks import check_lengths, check_token_ids, resolve_max_tokens  # noqa: F401
 from serving.errors import RequestError, validation_message
+from serving.fields import (
+    FieldError,
+    check_content,
+    check_prompt,
+    check_stop,
+    check_text,
+    param_name,
+)
+from serving.responses import (  # noqa: F401  (callers import these from here)
+    FINISH_REASONS,
+    chat_body,
+    completion_body,
+    completion_choices_body,
+    new_chat_id,
+    new_completion_id,
+    now,
+    sse,
+    usage,
+)
 from serving.speculation import DEFAULT_KNOBS, DEFAULT_POLICY
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
-
-
-def _utf8_encodable(value: str) -> str:
-    # JSON may carry lone surrogates ("\ud800"), which no tokenizer can take.
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"contains an unpaired surrogate at index {exc.start}") from exc
-    return value
+MAX_N = 16  # choices per prompt; the server's max_choices bounds n * prompts
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = True  # usage always comes in the final chunk
+    include_obfuscation: bool | None = None  # newer clients may send it; nothing to pad here
 
 
 class Speculation(BaseModel):
@@ -51,66 +64,64 @@ class Speculation(BaseModel):
         return dict(self.model_extra or {})
 
 
-_NEUTRAL: dict[str, tuple] = {
-    "echo": (False,),
-    "logprobs": (None,),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": (None, {}),
-}
+class ChatMessage(BaseModel):
+    """One message; ``content`` arrives as a string or a list of text parts (check_content),
+    a string here."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        return check_content(value)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value)
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Defaults follow OpenAI (max_tokens 16, temperature 1)."""
+class _Request(BaseModel):
+    """The fields both endpoints share. OpenAI fields some clients always send are accepted at
+    their neutral values only (_NEUTRAL: field -> accepted values)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    _NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": (None, {}),
+    }  # fmt: skip
 
-    prompt: str
     model: str | None = None
-    max_tokens: int = 16
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)  # one completion per request
+    n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
-    # OpenAI fields some clients always send: accepted at their neutral values only.
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     speculation: Speculation | None = None
+    # Extension: this request's own deadline in seconds (the server clamps it to its limit);
+    # past it the generation ends with finish_reason "deadline".
+    timeout_s: float | None = Field(None, gt=0)
 
-    @field_validator(*_NEUTRAL)
+    @field_validator("*")
     @classmethod
     def _neutral(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in _NEUTRAL[info.field_name]:
+        allowed = cls._NEUTRAL.get(info.field_name or "")
+        if allowed is not None and value not in allowed:
             raise ValueError("not supported here; leave it at its default")
         return value
 
-    @field_validator("prompt")
+    @field_validator("stop", mode="plain")
     @classmethod
-    def _prompt(cls, value: str) -> str:
-        if not value:
-            raise ValueError("must not be empty")
-        return _utf8_encodable(value)
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: str | list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        stops = [value] if isinstance(value, str) else value
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
-        return [_utf8_encodable(s) for s in stops]
+    def _stop(cls, value: Any) -> list[str] | None:
+        return check_stop(value, MAX_STOP_SEQUENCES)
 
     @property
     def stops(self) -> list[str]:
@@ -123,12 +134,124 @@ class CompletionRequest(BaseModel):
         return self.speculation.policy, self.speculation.knobs
 
 
-def parse_request(data: Any) -> CompletionRequest:
+class CompletionRequest(_Request):
+    """POST /v1/completions. Defaults follow OpenAI (max_tokens 16, temperature 1)."""
+
+    _NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_Request._NEUTRAL, "echo": (False,), "logprobs": (None,), "best_of": (None, 1),
+        "suffix": (None, ""),
+    }  # fmt: skip
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        return check_prompt(value)
+
+    @property
+    def _single(self) -> bool:
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string, or token ids."""
+        return [self.prompt] if self._single else list(self.prompt)  # type: ignore[list-item]
+
+    def prompt_param(self, i: int) -> str:
+        """The param naming prompts[i] in errors: "prompt", or "prompt[i]" in a list."""
+        return "prompt" if self._single else f"prompt[{i}]"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions. max_tokens / max_completion_tokens (its newer name) are
+    optional, as at OpenAI: without them the server's default applies."""
+
+    _NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_Request._NEUTRAL, "logprobs": (None, False), "top_logprobs": (None,),
+        "response_format": (None, {"type": "text"}), "tools": (None, []),
+        "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    }  # fmt: skip
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("must contain at least one message")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"{value} differs from max_tokens {other}; send one of them")
+        return value
+
+    @property
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The messages as render_chat takes them: role, content (a string), name if given."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The client's token limit, None: the server's default (resolve_max_tokens)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _validate(model: type[M], data: Any) -> M:
+    """The request, or a RequestError naming the first problem and where it is."""
     try:
-        return CompletionRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False))
-        raise RequestError(message, param) from None
+        err = dict(exc.errors(include_url=False)[0])
+    loc = tuple(err.get("loc", ()))
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        loc += cause.path
+    err["loc"] = (param_name(loc),) if loc else ()
+    message, param = validation_message([err])
+    raise RequestError(message, param)
+
+
+def parse_request(data: Any) -> CompletionRequest:
+    return _validate(CompletionRequest, data)
+
+
+def parse_chat_request(data: Any) -> ChatCompletionRequest:
+    return _validate(ChatCompletionRequest, data)
 
 
 def _reject_constant(name: str) -> None:
@@ -171,77 +294,3 @@ async def read_json(request: Request, limit: int) -> Any:
     if not isinstance(data, dict):
         raise RequestError(f"request body must be a JSON object, got {type(data).__name__}")
     return data
-
-
-# --- checks that need the model ------------------------------------------------------------
-
-
-def check_lengths(prompt_tokens: int, max_tokens: int, context: int, max_tokens_limit: int) -> None:
-    limit = min(max_tokens_limit, context - 1)
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    if max_tokens > limit:
-        raise RequestError(f"max_tokens must be <= {limit}, got {max_tokens}", "max_tokens")
-    if prompt_tokens == 0:
-        raise RequestError("prompt has no tokens", "prompt")
-    if prompt_tokens + max_tokens > context:
-        raise RequestError(
-            f"prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: together they "
-            f"exceed the context of {context} tokens (at most {context - max_tokens} prompt "
-            f"tokens with this max_tokens)",
-            "prompt", code="context_length_exceeded",
-        )  # fmt: skip
-
-
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-
-
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_body(
-    cid: str,
-    created: int,
-    model: str,
-    text: str | None,
-    finish_reason: str | None,
-    *,
-    chunk: bool = False,
-    usage: dict | None = None,
-    speculation: dict | None = None,
-) -> dict:
-    """A text_completion object (a stream chunk has the same shape, text being the delta)."""
-    body: dict[str, Any] = {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "text": text or "",
-            "logprobs": None,
-            "finish_reason": FINISH_REASONS.get(finish_reason, finish_reason),
-        }],
-    }  # fmt: skip
-    if usage is not None or not chunk:
-        body["usage"] = usage
-    if speculation is not None:
-        body["speculation"] = speculation
-    return body
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def now() -> int:
-    return int(time.time())

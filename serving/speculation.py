@@ -11,7 +11,7 @@ from typing import Any
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import MAX_STEP_KNOB, describe
-from pipeline.decode.policies.registry import POLICIES, POLICY_NAMES, make_policy, validate_knobs
+from pipeline.decode.policies.registry import POLICIES, make_policy, validate_knobs
 from serving.errors import RequestError
 
 log = logging.getLogger("ray.serve")
@@ -75,4 +75,4 @@ def build_policy(
 
 
 def policy_names() -> list[str]:
-    return list(POLICY_NAMES)
+    return list(POLICIES)  # plugins registered at replica start included

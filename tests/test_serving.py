@@ -13,11 +13,8 @@ liveness bounds, generous enough for a loaded 2-core machine."""
 from __future__ import annotations
 
 import json
-import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import numpy as np
@@ -26,11 +23,15 @@ import pytest
 import yaml
 
 from pipeline.data.prompts import load_prompts
-from pipeline.data.references import greedy_continuation
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.types import SamplingConfig
-from pipeline.models.loading import REPO_ROOT, load_pair
+from pipeline.models.loading import REPO_ROOT
+from tests.serving_support import held_port as _held_port
+from tests.serving_support import ids as _ids
+from tests.serving_support import one_thread_pair
+from tests.serving_support import plain_greedy as _plain_greedy
+from tests.serving_support import wait_healthy as _wait_healthy
 from tests.test_policy_registry import out_of_range, wrong_type
 
 APP_NAME = "specbound-test"
@@ -40,66 +41,16 @@ PROMPTS = ["class Stack:\n    def push(self, item):\n        ", "The quick brown
 TINY_TOP_P = 1e-9  # keeps only the most likely token: sampling becomes greedy decoding
 
 
-@contextmanager
-def _held_port() -> Iterator[int]:
-    """A free port on 127.0.0.1, bound (not listening) until released. The Serve proxy binds
-    with SO_REUSEADDR and SO_REUSEPORT, so it can share this bind; any other process binding
-    without SO_REUSEPORT (every port-0 pick, every plain server) gets EADDRINUSE, so nothing
-    takes the port between the pick and the proxy's bind."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
-
-
-def _wait_healthy(base: str, deadline_s: float) -> None:
-    """Poll /healthz until the app answers: serve.run returns when the deployment is up, which
-    may be before the proxy routes to it. The deadline is a liveness bound only."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            r = httpx.get(f"{base}/healthz", timeout=30)
-            if r.status_code == 200 and r.json().get("status") == "ok":
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{base} not healthy after {deadline_s}s"
-        time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """The in-process reference, on one torch thread like a replica (num_cpus=1): with two,
-    OpenMP spin-waits make it crawl whenever anything else runs on this 2-core machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield load_pair(device="cpu")
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _ids(pair, text: str) -> list[int]:
-    return pair.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _plain_greedy(pair, text: str, n: int) -> tuple[list[int], str]:
-    """The independent reference: plain greedy decoding with the target (a direct loop with a
-    KV cache, no engine, no policy), stopped at EOS; its tokens and text."""
-    tokens = greedy_continuation(pair.target, _ids(pair, text), n, pair.tokenizer.eos_token_id)
-    return tokens, pair.tokenizer.decode(tokens)
-
-
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
     """OpenAI's stop rule: the text before the first stop string; whether one occurred."""
     cuts = [text.find(s) for s in stops if s in text]
     return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with one_thread_pair() as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +225,15 @@ def test_models_and_healthz(server):
 
 
 @pytest.mark.slow
+def test_auth_is_off_by_default(server):
+    """Without `api_key` the server takes any or no Authorization header (the robust tests
+    run one with a key)."""
+    for headers in ({}, {"Authorization": "Bearer anything"}):
+        r = httpx.get(f"{server}/v1/models", headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.slow
 def test_openai_client_completion_and_stream(client, pair):
     model = client.models.list().data[0].id
     kwargs = {"model": model, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
@@ -408,7 +368,7 @@ BAD_INPUTS = [
     ("invalid-utf8", b'{"prompt": "\xff\xfe abc"}', 400, "UTF-8", None),
     ("missing-prompt", {"max_tokens": 4}, 400, "'prompt' is required", "prompt"),
     ("empty-prompt", {"prompt": ""}, 400, "must not be empty", "prompt"),
-    ("prompt-int", {"prompt": 5}, 400, "valid string", "prompt"),
+    ("prompt-int", {"prompt": 5}, 400, "expected a string", "prompt"),
     ("lone-surrogate", b'{"prompt": "a\\ud800b"}', 400, "surrogate", "prompt"),
     ("max-tokens-string", {"prompt": "x", "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
     ("max-tokens-float", {"prompt": "x", "max_tokens": 5.5}, 400, "valid integer", "max_tokens"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from pipeline.decode.policies.limits import StepLimits
 from pipeline.decode.randomness import RandomSource
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.kvcache import crop_to
@@ -21,9 +22,13 @@ class Drafter:
     (``hidden``): the state that produced a drafted token's distribution is the cheap, already
     paid-for context an expert predictor reads (pipeline.predictor.model). ``root_context`` is
     that state for the last committed token (the one the verification pass starts with).
+
+    With ``limits`` a forward that would take the step past its draft forwards or draft
+    tokens raises StepLimitExceeded before it runs (the prompt's prefill is not a step).
     """
 
-    def __init__(self, pair: ModelPair, sampling: SamplingConfig, rng: RandomSource):
+    def __init__(self, pair: ModelPair, sampling: SamplingConfig, rng: RandomSource,
+                 limits: StepLimits | None = None):  # fmt: skip
         self.pair = pair
         self.sampling = sampling
         self.rng = rng  # the session's one source of randomness (pipeline.decode.randomness)
@@ -33,11 +38,24 @@ class Drafter:
         self.hidden: torch.Tensor | None = None  # [rows, hidden] of the last forward
         self.root_context: torch.Tensor | None = None
         self._last_committed_hidden: torch.Tensor | None = None
+        self.limits = limits
         self.forwards = 0  # draft forward passes since the engine last reset it (one step)
+        self.tokens = 0  # tokens those forwards fed the draft
+
+    def start_step(self) -> None:
+        """Reset the per-step counters (and so the step's budget)."""
+        self.forwards = 0
+        self.tokens = 0
 
     def _forward(self, ids: list[int], **kw) -> torch.Tensor:
+        if self.limits is not None:
+            self.limits.check_forward(self.forwards + 1, self.tokens + len(ids))
+        return self._run(ids, **kw)
+
+    def _run(self, ids: list[int], **kw) -> torch.Tensor:
         t = torch.tensor([ids], device=self.pair.device)
         self.forwards += 1
+        self.tokens += len(ids)
         out = self.pair.draft(
             t, past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kw
         )
@@ -48,7 +66,7 @@ class Drafter:
         """Feed the prompt (all but its last token) before the first step, as the target's
         prefill is, so that no step's draft time includes it."""
         if ids:
-            self._forward(ids)
+            self._run(ids)  # unbudgeted: the prompt's length is the server's to bound
             self._last_committed_hidden = self.hidden[-1]
             self.committed_len = len(ids)  # what end() rolls back to, even with no draft
 

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from pipeline.decode.acceptance import accept
 from pipeline.decode.drafter import Drafter
+from pipeline.decode.policies.limits import StepLimitExceeded, StepLimits
 from pipeline.decode.randomness import RandomSource, TorchRandom
 from pipeline.decode.stream import GenerationStream
 from pipeline.decode.types import Candidates, Generation, SamplingConfig, StepOutcome, StepRecord
@@ -30,12 +31,13 @@ class DecodeSession:
 
     def __init__(
         self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed, repeats: int = 1,
-        rng: RandomSource | None = None,
+        rng: RandomSource | None = None, limits: StepLimits | None = None,
     ):  # fmt: skip
         """``repeats`` > 1 (calibration) runs every draft proposal and verification pass that
         many times, rolling the caches back in between, and records the median times; only
         greedy decoding, whose repeats are identical, allows it. ``rng`` is where every random
-        draw comes from (default: a torch.Generator seeded with ``seed``, 0 when None)."""
+        draw comes from (default: a torch.Generator seeded with ``seed``, 0 when None).
+        ``limits`` bound every step's work as it runs (StepLimitExceeded; None: unbounded)."""
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         self.pair = pair
@@ -45,7 +47,8 @@ class DecodeSession:
         self.committed = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.target_cache = DynamicCache(config=pair.target.config)
-        self.drafter = Drafter(pair, sampling, self.rng)
+        self.limits = limits
+        self.drafter = Drafter(pair, sampling, self.rng, limits)
         with torch.no_grad():
             if len(self.committed) > 1:
                 ids = torch.tensor([self.committed[:-1]], device=pair.device)
@@ -80,9 +83,11 @@ class DecodeSession:
         """The policy's proposal (the draft cache rolled back after it) and its time in ms."""
 
         def propose() -> Candidates:
-            self.drafter.forwards = 0
+            self.drafter.start_step()
             try:
                 return self.policy.propose(self.drafter, self.committed)
+            except StepLimitExceeded as exc:
+                raise StepLimitExceeded(f"{self.policy.name}: {exc}") from None
             finally:
                 self.drafter.end()
 
@@ -94,6 +99,11 @@ class DecodeSession:
         """One target forward over the last committed token and every candidate: its logits,
         the routing of the pass and its time in ms (the target cache holds all positions)."""
         pair = self.pair
+        if self.limits is not None:
+            try:
+                self.limits.check_verified(len(cands) + 1)
+            except StepLimitExceeded as exc:
+                raise StepLimitExceeded(f"{self.policy.name}: {exc}") from None
         base = len(self.committed) - 1
         ids = torch.tensor([[self.committed[-1], *cands.tokens]], device=pair.device)
         kwargs = {}
@@ -125,7 +135,8 @@ class DecodeSession:
         routing_np = routing.cpu().numpy()
         unique = [len(np.unique(routing_np[:, layer])) for layer in range(routing_np.shape[1])]
         record = StepRecord(len(cands), len(cands) + 1, len(accepted), len(new), unique,
-                            t_draft, t_verify, self.drafter.forwards)  # fmt: skip
+                            t_draft, t_verify, self.drafter.forwards,
+                            self.drafter.tokens)  # fmt: skip
         self.steps.append(record)
         self.policy.update(StepOutcome(cands, len(accepted), record))
         return new
@@ -136,16 +147,20 @@ class DecodeSession:
 
 
 class SpeculativeEngine:
-    def __init__(self, pair: ModelPair):
+    """Decodes with ``pair``; with ``limits`` every session's steps are bounded as they run
+    (a server also refuses policies whose declared step work exceeds them, before decoding:
+    pipeline.decode.policies.limits.check_step_limits)."""
+
+    def __init__(self, pair: ModelPair, limits: StepLimits | None = None):
         self.pair = pair
+        self.limits = limits
 
     def start(
         self, prompt_ids: list[int], policy, sampling=None, seed=None, repeats: int = 1,
         rng: RandomSource | None = None,
     ) -> DecodeSession:  # fmt: skip
-        return DecodeSession(
-            self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed, repeats, rng
-        )
+        return DecodeSession(self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed,
+                             repeats, rng, self.limits)  # fmt: skip
 
     def stream(
         self,

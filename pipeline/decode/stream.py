@@ -4,6 +4,7 @@ text it hands out as it grows (for streaming)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from time import monotonic
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,8 +17,8 @@ if TYPE_CHECKING:
 
 class GenerationStream:
     """One generation and how it ends (max tokens, EOS, the first stop string), run by
-    iterating ``deltas()`` (text as it grows, for streaming) or by ``run()``; the result is in
-    ``result``.
+    iterating ``deltas()`` (text as it grows, for streaming), ``step_deltas()`` (the same, one
+    yield per step, with a deadline) or by ``run()``; the result is in ``result``.
 
     A delta never holds text the finished generation will not: the last len(longest stop) - 1
     characters are held back (the next step may complete a stop string), as is a trailing
@@ -42,31 +43,49 @@ class GenerationStream:
     def deltas(self, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Run step by step, yielding non-empty text deltas whose concatenation is the final
         ``result.text``; ``cancelled()`` is polled between steps (finish reason "cancelled")."""
+        return (delta for delta in self.step_deltas(cancelled) if delta)
+
+    def step_deltas(self, cancelled: Callable[[], bool] = lambda: False,
+                    deadline: float | None = None) -> Iterator[str]:  # fmt: skip
+        """Run step by step, yielding once per unit of work so that a caller (a server's
+        heartbeat, its fairness between requests) regains control after each: "" once the
+        session is started (the prefill), then one delta per engine step (possibly ""), then
+        the final remainder (possibly ""): len(result.steps) + 2 yields in all. The deltas
+        concatenate to ``result.text``. ``cancelled()`` and the ``deadline`` (a
+        time.monotonic() instant) are checked before every step: finish reason "cancelled" or
+        "deadline"."""
         tok = self.engine.pair.tokenizer
         eos = tok.eos_token_id if (self.stop_at_eos and tok is not None) else None
         holdback = max((len(s) for s in self.stop), default=1) - 1
         emitted = ""
         with torch.no_grad():
             session = self.engine.start(self.prompt_ids, self.policy, self.sampling, self.seed)
-            reason = "length"
-            while len(session.generated) < self.max_new_tokens:
-                if cancelled():
-                    reason = "cancelled"
-                    break
+        yield ""
+        reason = "length"
+        while len(session.generated) < self.max_new_tokens:
+            if cancelled():
+                reason = "cancelled"
+                break
+            if deadline is not None and monotonic() >= deadline:
+                reason = "deadline"
+                break
+            with torch.no_grad():
                 new = session.step()
-                if eos is not None and eos in new:
-                    reason = "eos"
-                    break
-                if tok is None:
-                    continue
+            if eos is not None and eos in new:
+                reason = "eos"
+                yield ""  # the final remainder below holds this step's text
+                break
+            delta = ""
+            if tok is not None:
                 text = tok.decode(session.generated[: self.max_new_tokens])
                 if any(s in text for s in self.stop):
                     reason = "stop"
+                    yield ""
                     break
                 safe = text[: len(text) - holdback].rstrip("\ufffd")
                 if len(safe) > len(emitted) and safe.startswith(emitted):
-                    yield safe[len(emitted) :]
-                    emitted = safe
+                    delta, emitted = safe[len(emitted) :], safe
+            yield delta
         out = session.generated[: self.max_new_tokens]
         if eos is not None and eos in out:
             out = out[: out.index(eos) + 1]
@@ -75,8 +94,7 @@ class GenerationStream:
         if cuts:
             text, reason = text[: min(cuts)], "stop"
         self.result = Generation(out, text, reason, session.steps)
-        if text.startswith(emitted) and len(text) > len(emitted):
-            yield text[len(emitted) :]
+        yield text[len(emitted) :] if text.startswith(emitted) else ""
         # (decode() not prefix-stable would leave the stream unable to take text back; the
         # result still holds the exact final text.)
 

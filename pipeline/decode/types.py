@@ -67,6 +67,9 @@ class StepRecord:
     # stopping at k ran k + 1; a look that ended in k = 0 ran one; `ar` runs none): what the
     # cost model's T_D prices.
     draft_forwards: int = 0
+    # Tokens those forwards fed the draft: the catch-up on the last step's committed tokens
+    # plus every chain token or tree node fed (what StepLimits.max_draft_tokens bounds).
+    draft_tokens: int = 0
 
     @property
     def u_bar(self) -> float:
@@ -77,7 +80,8 @@ class StepRecord:
 class Generation:
     tokens: list[int]
     text: str
-    finish_reason: str  # "length", "eos", "stop" (or "cancelled": a stream stopped early)
+    # "length", "eos", "stop"; a stream stopped early: "cancelled" or "deadline"
+    finish_reason: str
     steps: list[StepRecord]
 
     @property

@@ -45,6 +45,16 @@ class TinySizes:
     max_positions: int = 2048
 
 
+# Plain-text role markers (the tiny models know no special tokens): what the endpoint's chat
+# route renders messages with (serving.chat); committed in models/*/tokenizer_config.json.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '### ' + (message['role'] | capitalize) }}"
+    "{% if message['name'] %}{{ ' (' + message['name'] + ')' }}{% endif %}"
+    "{{ '\\n' + message['content'] + '\\n\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### Assistant\\n' }}{% endif %}"
+)
+
+
 def train_tokenizer(docs: list[Document], vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE, so any text (any script, any byte) round-trips without unknown tokens."""
     tok = Tokenizer(models.BPE())
@@ -58,7 +68,7 @@ def train_tokenizer(docs: list[Document], vocab_size: int) -> PreTrainedTokenize
         show_progress=False,
     )
     tok.train_from_iterator((d.text for d in docs), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         bos_token=EOS_TOKEN,
@@ -67,6 +77,8 @@ def train_tokenizer(docs: list[Document], vocab_size: int) -> PreTrainedTokenize
         model_max_length=TinySizes.max_positions,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def target_config(sizes: TinySizes, eos_id: int) -> Qwen3MoeConfig:

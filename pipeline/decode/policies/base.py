@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.knobs import Knob, KnobError
+from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:
@@ -45,6 +46,11 @@ class Policy:
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         raise NotImplementedError
+
+    def step_work(self) -> StepWork:
+        """The most work one step can do with these knobs (pipeline.decode.policies.limits):
+        an exact upper bound, which servers check against their limits before decoding."""
+        raise NotImplementedError(f"{self.name} does not declare its step work")
 
     def update(self, outcome: StepOutcome) -> None:
         """Adapt from the last step (most policies do not)."""

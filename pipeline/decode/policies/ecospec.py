@@ -27,6 +27,7 @@ from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob
+from pipeline.decode.policies.limits import StepWork, tree_work
 from pipeline.decode.policies.tree import tree_knobs
 from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
 from pipeline.decode.types import Candidates
@@ -113,6 +114,10 @@ class EcoSpecPolicy(Policy):
         chosen = select_nodes(tree.path_p, footprints, tree.parents, self.gamma, buffer,
                               self.eps, self.use_buffer)  # fmt: skip
         return tree.subset(chosen)
+
+    def step_work(self) -> StepWork:
+        # The tree policy's drafting and budget; the predictor's calls are no model forwards.
+        return tree_work(self.depth, self.branch, self.gamma)
 
 
 @dataclass

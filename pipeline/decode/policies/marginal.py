@@ -20,6 +20,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.limits import StepWork, chain_work
 from pipeline.decode.types import Candidates, StepOutcome
 from pipeline.predictor.model import ExpertPredictor
 
@@ -114,6 +115,11 @@ class MarginalPolicy(Policy):
 
     def accept_probability(self, q: float) -> float:
         return self.acceptance(q) if self.calibrate else q
+
+    def step_work(self) -> StepWork:
+        # A chain of at most max_k (a stop at k < max_k ran k + 1 <= max_k forwards).
+        assert self.max_k is not None  # resolved in __post_init__
+        return chain_work(self.max_k, f"max_k {self.max_k}")
 
     def propose(self, drafter, committed: list[int]) -> Candidates:
         """Before drafting position j the rule prices the draft's most likely token there (its

@@ -37,12 +37,24 @@ POLICIES: dict[str, type[Policy]] = {
         MarginalPolicy,
     )
 }
-POLICY_NAMES = tuple(POLICIES)
+POLICY_NAMES = tuple(POLICIES)  # the built-in ones; register_policy adds to POLICIES
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Add a policy class (a plugin, e.g. one a serving deployment imports through its
+    `policy_modules`) under its ``name``; it must declare its step work. Usable as a
+    decorator."""
+    if cls.name in POLICIES and POLICIES[cls.name] is not cls:
+        raise ValueError(f"a policy named {cls.name!r} is already registered")
+    if cls.step_work is Policy.step_work:
+        raise TypeError(f"policy {cls.name!r} must declare step_work() (its work per step)")
+    POLICIES[cls.name] = cls
+    return cls
 
 
 def policy_class(name: str) -> type[Policy]:
     if name not in POLICIES:
-        raise KnobError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        raise KnobError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     return POLICIES[name]
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.decode.policies.base import Policy, draft_chain
+from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates
 
 
@@ -26,3 +27,25 @@ class ReplayPolicy(Policy):
         if i >= len(self.k_star) or int(self.k_star[i]) == 0:
             return Candidates()
         return draft_chain(drafter, committed, int(self.k_star[i]))
+
+    def step_work(self) -> StepWork:
+        """Plain steps feed the draft nothing, so a drafting step first catches up on every
+        token since the draft was last fed (at state j; j = -1: only the prompt's prefill):
+        i - j tokens at state i, then k*(i) - 1 extends. j is at worst the earliest drafting
+        state whose chain can land on the run of plain states that leads to i."""
+        k = [int(x) for x in self.k_star]
+        drafted = [i for i, x in enumerate(k) if x > 0]
+        if not drafted:
+            return StepWork(0, 0, 1, "k* 0")
+        tokens = 0
+        for i in drafted:
+            start = i  # first state of the run of plain states ending at i - 1
+            while start > 0 and k[start - 1] == 0:
+                start -= 1
+            feeders = [j for j in drafted if j < start and j + k[j] + 1 >= start]
+            if start > 0 and not feeders:
+                continue  # no step lands on the run: state i is never reached
+            last_fed = -1 if start == 0 else min(feeders)
+            tokens = max(tokens, i - last_fed + k[i] - 1)
+        top = max(k)
+        return StepWork(top, tokens, top + 1, f"k* up to {top}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.limits import StepWork, chain_work
 from pipeline.decode.types import Candidates, StepOutcome
 
 
@@ -23,6 +24,9 @@ class AutoregressivePolicy(Policy):
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         return Candidates()
+
+    def step_work(self) -> StepWork:
+        return chain_work(0, "no draft")
 
 
 @dataclass
@@ -34,6 +38,9 @@ class FixedPolicy(Policy):
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         return draft_chain(drafter, committed, self.k)
+
+    def step_work(self) -> StepWork:
+        return chain_work(self.k, f"k {self.k}")
 
 
 @dataclass
@@ -49,6 +56,11 @@ class HeuristicPolicy(Policy):
 
     def reset(self) -> None:
         self.k = self.start_k
+
+    def step_work(self) -> StepWork:
+        # k starts at start_k and update() never takes it above max(start_k, max_k).
+        return chain_work(max(self.start_k, self.max_k),
+                          f"start_k {self.start_k}, max_k {self.max_k}")  # fmt: skip
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         return draft_chain(drafter, committed, self.k)
@@ -72,3 +84,6 @@ class ConfidencePolicy(Policy):
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         return draft_chain(drafter, committed, self.max_k, min_conf=self.threshold)
+
+    def step_work(self) -> StepWork:
+        return chain_work(self.max_k, f"max_k {self.max_k}")

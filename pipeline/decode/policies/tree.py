@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import MAX_STEP_KNOB, Knob, step_knob
+from pipeline.decode.policies.limits import StepWork, tree_work
 from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
 from pipeline.decode.types import Candidates
 
@@ -46,3 +47,6 @@ class TreePolicy(Policy):
         tree = build_tree(drafter, committed, self.depth, self.branch)
         keep = select_prefix_closed(tree.parents, self.gamma, tree.path_p.__getitem__)
         return tree.subset(keep)
+
+    def step_work(self) -> StepWork:
+        return tree_work(self.depth, self.branch, self.gamma)
