@@ -163,7 +163,7 @@ class SpecboundServer:
     async def _serve(self, request: Request, kind: str):
         arrived = time.monotonic()
         route = "chat" if kind == "chat" else "completions"
-        status = 200
+        status, streaming = 499, False  # 499 unless answered: the client went away
         try:
             data = await read_json(request, self.args.max_body_bytes)
             req = parse_chat_request(data) if kind == "chat" else parse_request(data)
@@ -176,13 +176,15 @@ class SpecboundServer:
             # Tokenizing long prompts and building a policy are blocking work.
             job = await asyncio.to_thread(self._prepare, req, kind, arrived)
             if req.stream:
+                streaming = True  # the stream records its own outcome when it ends
                 return StreamingResponse(
-                    generation.stream(self.worker, job, self._finished(job, arrived)),
+                    generation.stream(self.worker, job, self._finished(job, route, arrived)),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             body, results = await generation.respond(self.worker, job)
-            self._finished(job, arrived)(results)
+            status = 200
+            self._finished(job, None, arrived)(results, status)
             return JSONResponse(body)
         except RequestError as exc:
             status = exc.status
@@ -191,17 +193,32 @@ class SpecboundServer:
             status = 500
             raise
         finally:
-            self.metrics.request(route, status, time.monotonic() - arrived)
+            if not streaming:
+                self.metrics.request(route, status, time.monotonic() - arrived)
 
-    def _finished(self, job: Job, arrived: float):
-        def record(results) -> None:
-            for result in results.values():
-                self.metrics.generation(job.policy_name, result.steps, job.prompt_tokens(),
-                                        len(result.tokens), result.finish_reason, None)  # fmt: skip
+    def _finished(self, job: Job, route: str | None, arrived: float):
+        """What records a request's generations (and, with ``route``, the request itself:
+        a stream's status and latency are known only when it ends)."""
+
+        def record(results: dict, status: int) -> None:
+            if route is not None:
+                self.metrics.request(route, status, time.monotonic() - arrived)
+            ttft = None if job.first_text_at is None else job.first_text_at - arrived
+            prompts = {c.index: len(c.prompt_ids) for c in job.choices}
+            for index, result in results.items():
+                self.metrics.generation(job.policy_name, result.steps, prompts[index],
+                                        len(result.tokens), result.finish_reason, ttft)  # fmt: skip
+                ttft = None  # once per request
 
         return record
 
     def _prepare(self, req: Any, kind: str, arrived: float) -> Job:
+        count = req.n * (1 if kind == "chat" else len(req.prompts))
+        if count > self.args.max_choices:  # before any tokenizing
+            raise RequestError(
+                f"{count // req.n} prompt(s) x n = {req.n} asks for {count} generations; "
+                f"this server allows at most {self.args.max_choices} per request", "n",
+            )  # fmt: skip
         if kind == "chat":
             prompts = [render_chat(self.tokenizer, req.chat_messages)]
             params = ["messages"]
@@ -213,12 +230,6 @@ class SpecboundServer:
                 else:
                     check_token_ids(prompt, self.vocab, param)
                     prompts.append(list(prompt))
-        if len(prompts) * req.n > self.args.max_choices:
-            raise RequestError(
-                f"{len(prompts)} prompt(s) x n = {req.n} asks for {len(prompts) * req.n} "
-                f"generations; this server allows at most {self.args.max_choices} per request",
-                "n",
-            )  # fmt: skip
         # A chat request without a limit generates until the context (or the server's limit).
         max_tokens = min(
             resolve_max_tokens(req, len(ids), self.context, self.args.max_tokens_limit,

@@ -6,7 +6,9 @@ choice index, as OpenAI's API does for n > 1 and prompt lists."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +48,7 @@ class Job:
     sampling: SamplingConfig
     stops: list[str]
     deadline: float  # time.monotonic() instant
+    first_text_at: float | None = None  # when the first text of any choice arrived (TTFT)
 
     def prompt_tokens(self) -> int:
         seen = {c.prompt: len(c.prompt_ids) for c in self.choices}  # each prompt counted once
@@ -69,7 +72,10 @@ async def run(worker: DecodeWorker, job: Job) -> AsyncIterator[tuple[int, str | 
                                 deliver, job.cid))  # fmt: skip
     try:
         for task in tasks:
-            worker.submit(task)
+            try:
+                worker.submit(task)
+            except RuntimeError:  # the worker is closing
+                raise _shutting_down() from None
         pending = len(tasks)
         while pending:
             index, item = await queue.get()
@@ -79,6 +85,8 @@ async def run(worker: DecodeWorker, job: Job) -> AsyncIterator[tuple[int, str | 
                 pending -= 1
             elif not item:
                 continue
+            elif job.first_text_at is None:
+                job.first_text_at = time.monotonic()
             yield index, item
     finally:
         for task in tasks:
@@ -97,19 +105,25 @@ def _body(job: Job, choices: list[dict], *, chunk: bool, usage_: dict | None = N
                  speculation=speculation)  # fmt: skip
 
 
+def _shutting_down() -> RequestError:
+    return RequestError("the replica is shutting down; retry the request", status=503,
+                        code="shutting_down", kind="server_error")  # fmt: skip
+
+
 def _check_not_shut_down(worker: DecodeWorker, result: Generation) -> None:
     if result.finish_reason == "cancelled" and worker.closing:
-        raise RequestError("the replica is shutting down; retry the request", status=503,
-                           code="shutting_down", kind="server_error")  # fmt: skip
+        raise _shutting_down()
 
 
 async def respond(worker: DecodeWorker, job: Job) -> tuple[dict, dict[int, Generation]]:
     """The whole response body, and the generations by choice index."""
     results: dict[int, Generation] = {}
-    async for index, item in run(worker, job):
-        if isinstance(item, Generation):
-            _check_not_shut_down(worker, item)
-            results[index] = item
+    # aclosing: the generations are cancelled as soon as this ends, however it ends.
+    async with contextlib.aclosing(run(worker, job)) as items:
+        async for index, item in items:
+            if isinstance(item, Generation):
+                _check_not_shut_down(worker, item)
+                results[index] = item
     choices = [{"index": i, "text": results[i].text, "finish_reason": results[i].finish_reason}
                for i in sorted(results)]  # fmt: skip
     completion = sum(len(g.tokens) for g in results.values())
@@ -118,35 +132,42 @@ async def respond(worker: DecodeWorker, job: Job) -> tuple[dict, dict[int, Gener
 
 
 async def stream(
-    worker: DecodeWorker, job: Job, done: Callable[[dict[int, Generation]], None]
+    worker: DecodeWorker, job: Job, done: Callable[[dict[int, Generation], int], None]
 ) -> AsyncIterator[str]:
     """Server-sent events: text deltas per choice, each choice's last chunk with its finish
     reason, usage and speculation statistics on the last one, then [DONE]. ``done`` gets the
-    generations once all have ended (metrics)."""
+    generations that ended and the status the stream amounts to (200; 499 when the client
+    went away; the error's status) when it ends, however it ends (metrics)."""
     results: dict[int, Generation] = {}
     started: set[int] = set()
+    status = 499  # unless it runs to the end or fails: the client went away
     try:
-        async for index, item in run(worker, job):
-            choice: dict[str, Any] = {"index": index, "role_first": index not in started}
-            started.add(index)
-            if not isinstance(item, Generation):
-                yield sse(_body(job, [{**choice, "text": item, "finish_reason": None}],
-                                chunk=True))  # fmt: skip
-                continue
-            _check_not_shut_down(worker, item)
-            results[index] = item
-            last = len(results) == len(job.choices)
-            tokens = sum(len(g.tokens) for g in results.values())
-            yield sse(_body(
-                job, [{**choice, "text": "", "finish_reason": item.finish_reason}], chunk=True,
-                usage_=usage(job.prompt_tokens(), tokens) if last else None,
-                speculation=_stats(job, results) if last else None,
-            ))  # fmt: skip
-        done(results)
+        async with contextlib.aclosing(run(worker, job)) as items:
+            async for index, item in items:
+                choice: dict[str, Any] = {"index": index, "role_first": index not in started}
+                started.add(index)
+                if not isinstance(item, Generation):
+                    yield sse(_body(job, [{**choice, "text": item, "finish_reason": None}],
+                                    chunk=True))  # fmt: skip
+                    continue
+                _check_not_shut_down(worker, item)
+                results[index] = item
+                last = len(results) == len(job.choices)
+                tokens = sum(len(g.tokens) for g in results.values())
+                yield sse(_body(
+                    job, [{**choice, "text": "", "finish_reason": item.finish_reason}],
+                    chunk=True, usage_=usage(job.prompt_tokens(), tokens) if last else None,
+                    speculation=_stats(job, results) if last else None,
+                ))  # fmt: skip
+        status = 200
     except RequestError as exc:
+        status = exc.status
         yield sse(error_body(exc.message, exc.param, exc.code, exc.kind))
     except Exception:
+        status = 500
         # Headers are out: the error goes in the stream, which the openai client raises.
         log.exception("generation failed mid-stream (%s)", job.cid)
         yield sse(error_body("internal server error during generation", kind="server_error"))
+    finally:
+        done(results, status)
     yield sse("[DONE]")

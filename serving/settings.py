@@ -28,6 +28,7 @@ class AppArgs(BaseModel):
     max_draft_forwards_per_step: int = Field(StepLimits.max_draft_forwards, ge=1)
     max_draft_tokens_per_step: int = Field(StepLimits.max_draft_tokens, ge=1)
     max_verified_per_step: int = Field(StepLimits.max_verified, ge=2)
+    max_tree_nodes_per_step: int = Field(StepLimits.max_tree_nodes, ge=1)
     # A request's generations end ("deadline") this long after it arrived; a request may ask
     # for less with `timeout_s`.
     request_timeout_s: float = Field(60.0, gt=0)
@@ -46,4 +47,4 @@ class AppArgs(BaseModel):
 
     def step_limits(self) -> StepLimits:
         return StepLimits(self.max_draft_forwards_per_step, self.max_draft_tokens_per_step,
-                          self.max_verified_per_step)  # fmt: skip
+                          self.max_verified_per_step, self.max_tree_nodes_per_step)  # fmt: skip

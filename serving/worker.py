@@ -27,7 +27,7 @@ from pipeline.decode.types import Generation, SamplingConfig
 log = logging.getLogger("ray.serve")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the active list removes this task, not an equal one
 class DecodeTask:
     """One generation to run. ``deliver`` is called on the decoding thread with each text
     delta (possibly ""), then with the Generation or the exception that ended it."""
@@ -118,7 +118,11 @@ class DecodeWorker:
                         seen.add(task.group)
                         batch.append(task)
             for task in batch:
-                alive = self._advance(task)
+                try:
+                    alive = self._advance(task)
+                except Exception:  # delivering failed (its event loop is gone): drop the task
+                    log.exception("dropping a generation whose request cannot be answered")
+                    alive = False
                 with self._wake:  # to the back of the line: the request's next one goes next
                     self._active.remove(task)
                     if alive:
@@ -128,6 +132,13 @@ class DecodeWorker:
         """Run one step of ``task``; False once it has ended (its outcome delivered)."""
         self._step_began = time.monotonic()
         try:
+            if task.steps is None and (task.cancel.is_set() or time.monotonic() >= task.deadline):
+                # Ended before it began (client gone, deadline passed while queued, shutdown):
+                # no prefill for nobody.
+                reason = "cancelled" if task.cancel.is_set() else "deadline"
+                self.counts[reason] += 1
+                task.deliver(Generation([], "", reason, []))
+                return False
             if task.steps is None:
                 task.stream = self.engine.stream(
                     task.prompt_ids, task.policy, task.max_tokens, task.sampling, task.seed,

@@ -69,3 +69,29 @@ def plain_greedy(pair, text: str, n: int) -> tuple[list[int], str]:
     KV cache, no engine, no policy), stopped at EOS; its tokens and text."""
     tokens = greedy_continuation(pair.target, ids(pair, text), n, pair.tokenizer.eos_token_id)
     return tokens, pair.tokenizer.decode(tokens)
+
+
+@contextmanager
+def serve_apps(apps: list[tuple[str, str, dict]], init_ray) -> Iterator[str]:
+    """A fresh local Ray cluster (``init_ray()`` starts it) with Serve on a free loopback port
+    and each (name, route prefix, build_app args) app running and healthy; the base URL. On
+    CPU even where a GPU exists: greedy text is compared with the fp32 CPU reference."""
+    import ray
+    from ray import serve
+
+    from serving.app import build_app
+
+    init_ray()
+    try:
+        with held_port() as port:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            base = f"http://127.0.0.1:{port}"
+            for name, prefix, args in apps:
+                app = build_app({"num_gpus": 0, "device": "cpu", **args})
+                serve.run(app, name=name, route_prefix=prefix, blocking=False)
+            for _, prefix, _ in apps:
+                wait_healthy(base + prefix.rstrip("/"), 300)
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()

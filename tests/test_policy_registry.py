@@ -28,6 +28,12 @@ def pair():
 
 @pytest.fixture(scope="module")
 def artifacts(pair) -> PolicyArtifacts:
+    return synthetic_artifacts(pair)
+
+
+def synthetic_artifacts(pair) -> PolicyArtifacts:
+    """Artifacts for the cost-aware policies on a test pair: an untrained expert predictor
+    (seeded), a made-up cost model and lambda."""
     torch.manual_seed(0)
     spec = pair.spec
     predictor = LearnedExpertPredictor(

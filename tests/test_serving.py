@@ -27,11 +27,9 @@ from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import REPO_ROOT
-from tests.serving_support import held_port as _held_port
 from tests.serving_support import ids as _ids
-from tests.serving_support import one_thread_pair
+from tests.serving_support import one_thread_pair, serve_apps
 from tests.serving_support import plain_greedy as _plain_greedy
-from tests.serving_support import wait_healthy as _wait_healthy
 from tests.test_policy_registry import out_of_range, wrong_type
 
 APP_NAME = "specbound-test"
@@ -56,27 +54,11 @@ def pair():
 @pytest.fixture(scope="module")
 def server() -> str:
     """A fresh local Ray cluster with the app on a free port; its base URL."""
-    import ray
-    from ray import serve
-
     from jobs.cli import init_ray
-    from serving.app import build_app
 
-    init_ray(num_cpus=2)
-    try:
-        with _held_port() as port:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            # On CPU even where a GPU exists: greedy text is compared with the fp32 CPU
-            # reference.
-            app = build_app({"max_tokens_limit": MAX_TOKENS_LIMIT, "num_cpus": 1, "num_gpus": 0,
-                             "device": "cpu"})  # fmt: skip
-            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-            base = f"http://127.0.0.1:{port}"
-            _wait_healthy(base, 300)
+    apps = [(APP_NAME, "/", {"max_tokens_limit": MAX_TOKENS_LIMIT, "num_cpus": 1})]
+    with serve_apps(apps, lambda: init_ray(num_cpus=2)) as base:
         yield base
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.decode.policies.limits import StepLimitError, StepLimits, check_step_limits
 from pipeline.decode.policies.registry import make_policy
-from tests.serving_support import held_port, one_thread_pair, plain_greedy, wait_healthy
+from tests.serving_support import one_thread_pair, plain_greedy, serve_apps, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -52,32 +52,17 @@ def pair():
 def server() -> str:
     """A local Ray cluster (metrics exported for scraping) with two apps: the robust one at /
     (auth on, a short deadline) and one that loads the stalling test policy at /stall."""
-    import ray
-    from ray import serve
-
-    from serving.app import build_app
     from serving.metrics import start_ray_with_metrics
 
-    start_ray_with_metrics(num_cpus=2)
-    try:
-        with held_port() as port:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app({"api_key": API_KEY, "request_timeout_s": REQUEST_TIMEOUT_S,
-                                 "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S, "num_cpus": 1,
-                                 "num_gpus": 0, "device": "cpu"}),
-                      name=APP, route_prefix="/", blocking=False)  # fmt: skip
-            serve.run(build_app({"policy_modules": ["tests.stall_policy"], "num_cpus": 0.5,
-                                 "num_gpus": 0, "device": "cpu", "request_timeout_s": 5,
-                                 "shutdown_timeout_s": 2,
-                                 "stall_timeout_s": STALL_TIMEOUT_S}),
-                      name=STALL_APP, route_prefix="/stall", blocking=False)  # fmt: skip
-            base = f"http://127.0.0.1:{port}"
-            wait_healthy(base, 300)
-            wait_healthy(f"{base}/stall", 300)
+    apps = [
+        (APP, "/", {"api_key": API_KEY, "request_timeout_s": REQUEST_TIMEOUT_S,
+                    "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S, "num_cpus": 1}),
+        (STALL_APP, "/stall", {"policy_modules": ["tests.stall_policy"], "num_cpus": 0.5,
+                               "request_timeout_s": 5, "shutdown_timeout_s": 2,
+                               "stall_timeout_s": STALL_TIMEOUT_S}),
+    ]  # fmt: skip
+    with serve_apps(apps, lambda: start_ray_with_metrics(num_cpus=2)) as base:
         yield base
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

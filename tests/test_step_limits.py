@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.cost.model import CostModel
 from pipeline.decode import stream as stream_module
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.engine import SpeculativeEngine
@@ -32,8 +31,8 @@ from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.policies.simple import FixedPolicy
 from pipeline.decode.policies.tree import TreePolicy
 from pipeline.decode.types import Candidates, SamplingConfig
-from pipeline.predictor.model import ExpertMLP, LearnedExpertPredictor
 from tests.test_engine import perturbed_pair
+from tests.test_policy_registry import synthetic_artifacts
 
 PROMPT = [4, 8, 15, 16, 23]
 STEPS = 5
@@ -73,17 +72,7 @@ def pairs() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def artifacts(pairs) -> PolicyArtifacts:
-    torch.manual_seed(0)
-    pair = pairs["exact"]
-    spec = pair.spec
-    predictor = LearnedExpertPredictor(
-        ExpertMLP(pair.draft.config.vocab_size, pair.draft.config.hidden_size,
-                  spec.num_moe_layers, spec.num_experts),
-        spec.top_k,
-    )  # fmt: skip
-    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
-                     0.001, 0.4, 0.1)  # fmt: skip
-    return PolicyArtifacts(predictor, cost, 500.0)
+    return synthetic_artifacts(pairs["exact"])
 
 
 def _draw(knob: Knob, rng: np.random.Generator) -> Any:
@@ -153,6 +142,16 @@ def test_a_deep_wide_tree_is_refused_naming_its_knobs_and_the_limit():
     for part in ("tree", "depth 64", "branch 64", "256", "lower depth or branch"):
         assert part in message, message
     assert "254,080 tokens" in message  # 64 + 62 * 64^2 fed + a 64-token catch-up
+
+
+def test_a_shallow_wide_tree_is_refused_for_the_nodes_it_scores(artifacts):
+    """Depth 2, branch 64 feeds the draft few tokens but builds (and scores, for selection)
+    64 + 64^2 nodes: bounded by max_tree_nodes."""
+    for name in ("tree", "ecospec"):
+        policy = make_policy(name, artifacts, depth=2, branch=64, gamma=64)
+        with pytest.raises(StepLimitError, match=r"builds a draft tree of 4,160 nodes.*at most "
+                                                 r"256 \(lower depth or branch\)"):  # fmt: skip
+            check_step_limits(policy, StepLimits())
 
 
 def test_the_verified_limit_names_gamma():

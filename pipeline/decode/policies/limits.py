@@ -33,6 +33,9 @@ class StepWork:
     verified: int  # positions in the verification pass, the root (last committed token) included
     why: str  # the knobs that set it, e.g. "depth 64, branch 64"
     why_verified: str = ""  # the knobs that set ``verified`` when not ``why`` (trees: gamma)
+    # Draft-tree nodes built and scored (the last level too, never fed): what node selection
+    # (EAGLE-2's top-gamma, EcoSpec's expert-aware scoring) works through. 0 for chains.
+    tree_nodes: int = 0
 
 
 class StepLimitError(KnobError):
@@ -63,10 +66,12 @@ class StepLimits:
     max_draft_forwards: int = 65
     max_draft_tokens: int = 256
     max_verified: int = 65
+    max_tree_nodes: int = 256
 
     def __post_init__(self) -> None:
         # 0 draft forwards / tokens admits plain steps only; every step verifies its root.
-        if min(self.max_draft_forwards, self.max_draft_tokens) < 0 or self.max_verified < 1:
+        if (min(self.max_draft_forwards, self.max_draft_tokens, self.max_tree_nodes) < 0
+                or self.max_verified < 1):  # fmt: skip
             raise ValueError(f"step limits must be >= 0 (verified >= 1), got {self}")
 
     def check(self, policy_name: str, work: StepWork) -> None:
@@ -78,6 +83,7 @@ class StepLimits:
              "feeds {n} tokens to the draft"),
             (work.verified, self.max_verified, work.why_verified or work.why,
              "verifies {n} positions"),
+            (work.tree_nodes, self.max_tree_nodes, work.why, "builds a draft tree of {n} nodes"),
         )  # fmt: skip
         for amount, limit, why, what in checks:
             if amount > limit:
@@ -136,4 +142,4 @@ def tree_work(depth: int, branch: int, gamma: int) -> StepWork:
     verified = min(gamma - 1, nodes) + 1
     why_verified = f"gamma {gamma}" if gamma - 1 <= nodes else f"depth {depth}, branch {branch}"
     return StepWork(depth, catch_up + fed, verified, f"depth {depth}, branch {branch}",
-                    why_verified)  # fmt: skip
+                    why_verified, nodes)  # fmt: skip
