@@ -230,21 +230,25 @@ class SpecboundServer:
                 else:
                     check_token_ids(prompt, self.vocab, param)
                     prompts.append(list(prompt))
-        # A chat request without a limit generates until the context (or the server's limit).
-        max_tokens = min(
-            resolve_max_tokens(req, len(ids), self.context, self.args.max_tokens_limit,
-                               self.args.max_tokens_limit, param)
-            for ids, param in zip(prompts, params, strict=True)
-        )  # fmt: skip
         name, knobs = req.speculation_spec
 
         def make_policy():
             return build_policy(name, knobs, self.artifacts, self.artifacts_error)
 
+        policy = make_policy()
         try:
-            check_step_limits(make_policy(), self.limits)
+            check_step_limits(policy, self.limits)
         except StepLimitError as exc:
             raise RequestError(str(exc), "speculation", code="step_limit_exceeded") from None
+        # The last step may draft and verify this far past max_tokens: it must fit too.
+        work = policy.step_work()
+        lookahead = max(work.verified - 1, work.draft_forwards)
+        # A chat request without a limit generates until the context (or the server's limit).
+        max_tokens = min(
+            resolve_max_tokens(req, len(ids), self.context, self.args.max_tokens_limit,
+                               self.args.max_tokens_limit, param, lookahead)
+            for ids, param in zip(prompts, params, strict=True)
+        )  # fmt: skip
         # Without a seed every request samples differently (the engine would default to 0);
         # choice i of a seeded request uses seed + i, so n > 1 choices differ.
         seed = req.seed if req.seed is not None else secrets.randbits(63)

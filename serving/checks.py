@@ -30,8 +30,15 @@ def check_lengths(
     *,
     prompt_param: str = "prompt",
     max_tokens_param: str = "max_tokens",
+    lookahead: int = 0,
 ) -> None:
-    """The prompt and max_tokens fit the context and the server's limit."""
+    """The prompt and max_tokens fit the context and the server's limit. ``lookahead``: the
+    positions past the last kept token one speculative step may draft or verify (the last
+    step may run that far beyond max_tokens); they must fit the context too, or a model with
+    learned positions would index past its table."""
+    full, context = context, context - lookahead
+    ahead = f" less the {lookahead} positions a step of this policy looks ahead" if lookahead \
+        else ""  # fmt: skip
     limit, mt = min(max_tokens_limit, context - 1), max_tokens_param
     if max_tokens < 1:
         raise RequestError(f"{mt} must be >= 1, got {max_tokens}", mt)
@@ -42,8 +49,8 @@ def check_lengths(
     if prompt_tokens + max_tokens > context:
         raise RequestError(
             f"{prompt_param} is {prompt_tokens} tokens and {mt} is {max_tokens}: together "
-            f"they exceed the context of {context} tokens (at most {context - max_tokens} "
-            f"prompt tokens with this {mt})",
+            f"they exceed the context of {full} tokens{ahead} (at most "
+            f"{context - max_tokens} prompt tokens with this {mt})",
             prompt_param, code="context_length_exceeded",
         )  # fmt: skip
 
@@ -55,6 +62,7 @@ def resolve_max_tokens(
     max_tokens_limit: int,
     default: int,
     prompt_param: str = "prompt",
+    lookahead: int = 0,
 ) -> int:
     """The generation's token limit, checked: the request's own (check_lengths), or, for a chat
     request without one, ``default`` cut to what the context and the server's limit leave (as
@@ -62,15 +70,18 @@ def resolve_max_tokens(
     requested = req.requested_max_tokens
     if requested is not None:
         check_lengths(prompt_tokens, requested, context, max_tokens_limit,
-                      prompt_param=prompt_param, max_tokens_param=req.max_tokens_param)  # fmt: skip
+                      prompt_param=prompt_param, max_tokens_param=req.max_tokens_param,
+                      lookahead=lookahead)  # fmt: skip
         return requested
     if prompt_tokens == 0:
         raise RequestError(f"{prompt_param} has no tokens", prompt_param)
-    room = min(default, max_tokens_limit, context - prompt_tokens)
+    room = min(default, max_tokens_limit, context - lookahead - prompt_tokens)
     if room < 1:
         raise RequestError(
             f"{prompt_param} is {prompt_tokens} tokens: it leaves no room to generate in the "
-            f"context of {context} tokens",
+            f"context of {context} tokens"
+            + (f" less the {lookahead} positions a step of this policy looks ahead"
+               if lookahead else ""),
             prompt_param, code="context_length_exceeded",
         )  # fmt: skip
     return room

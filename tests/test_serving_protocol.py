@@ -516,3 +516,16 @@ def test_retrained_tokenizers_keep_the_committed_chat_template():
     for name in ("target", "draft"):
         config = json.loads((REPO_ROOT / "models" / name / "tokenizer_config.json").read_text())
         assert config["chat_template"] == CHAT_TEMPLATE, name
+
+
+def test_the_last_step_s_lookahead_must_fit_the_context_too():
+    """A step may draft and verify up to `lookahead` positions past max_tokens (fixed k = 8:
+    8); prompt + max_tokens + lookahead must fit the context, and the message says why."""
+    check_lengths(2000, 40, 2048, 1024, lookahead=8)  # 2048 exactly
+    with pytest.raises(RequestError) as info:
+        check_lengths(2001, 40, 2048, 1024, lookahead=8)
+    message = info.value.message
+    assert "context of 2048 tokens less the 8 positions" in message, message
+    assert info.value.param == "prompt" and info.value.code == "context_length_exceeded"
+    open_ended = parse_chat_request({"messages": [{"role": "user", "content": "x"}]})
+    assert resolve_max_tokens(open_ended, 60, 100, 1000, 64, "messages", lookahead=8) == 32
