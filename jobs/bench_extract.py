@@ -22,7 +22,7 @@ from pipeline.tracking import tracked_run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_extract", __doc__)
-    add_model_args(p, experts=False)
+    add_model_args(p)
     p.add_argument(
         "--source",
         default="humaneval",
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    pair = load_pair(args.target, args.draft, args.device, args.dtype)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     refs = build_references(
         load_prompts(args.source, args.limit), pair.target, pair.tokenizer, args.max_new_tokens
     )

@@ -34,7 +34,7 @@ from pipeline.tracking import tracked_run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_online", __doc__)
-    add_model_args(p, experts=False)
+    add_model_args(p)
     p.add_argument(
         "--source",
         default="humaneval",
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[BenchRow]:
     args = parse_args(argv)
-    pair = load_pair(args.target, args.draft, args.device, args.dtype)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     artifacts = load_artifacts(args.predictor, args.costmodel, args.policy, str(pair.device))
     # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
     artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")

@@ -26,7 +26,7 @@ from serving.bench import ServeBenchSettings, format_serve_bench, run_serve_benc
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_serve", __doc__)
-    add_model_args(p, experts=False)
+    add_model_args(p)
     p.add_argument(
         "--source",
         default="humaneval",
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     texts = [p.text for p in load_prompts(args.source, args.limit)]
     settings = ServeBenchSettings(
-        args.target, args.draft, args.device, args.dtype, args.spec, args.max_tokens,
-        args.temperature, args.concurrency, args.replica_cpus,
+        args.target, args.draft, args.device, args.dtype, args.experts_implementation, args.spec,
+        args.max_tokens, args.temperature, args.concurrency, args.replica_cpus,
     )  # fmt: skip
     result = run_serve_bench(texts, settings, args.url,
                              lambda: ray_session(num_cpus=args.num_cpus))  # fmt: skip

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jobs.cli import add_model_args, parse_ks, parser, run
 from pipeline.cost.calibration import run_calibration
-from pipeline.cost.report import fit_metrics, format_report
+from pipeline.cost.report import fit_metrics, format_design_comparison, format_report
 from pipeline.data.prompts import load_prompts
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run, tracking_uri
@@ -50,8 +50,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="time each pass this many times, keep the median (default: 1 on GPU, 3 on CPU)",
     )
+    p.add_argument("--design", choices=("observational", "forced"), default="observational",
+                   help="how the target's cost is identified: 'observational' (the router's "
+                        "own choices in speculative rounds) or 'forced' (every union size U at "
+                        "every m, routing set by design; the observational rounds then price "
+                        "the draft and test the designed model)")  # fmt: skip
+    p.add_argument(
+        "--designed-ms",
+        type=parse_ks,
+        default=None,
+        help="m (positions per pass) of the forced design (default: K + 1 for --ks)",
+    )
+    p.add_argument(
+        "--designed-repeats",
+        type=int,
+        default=5,
+        help="timed passes per (m, U) cell per prompt, shuffled (5)",
+    )
+    p.add_argument(
+        "--max-levels",
+        type=int,
+        default=8,
+        help="U levels per m, evenly spaced over the feasible range (8)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the timings (default: torch's own); recorded",
+    )
     p.add_argument("--out", type=Path, default=Path("out/calibration"))
     args = p.parse_args(argv)
+    if args.designed_repeats < 1 or args.max_levels < 2:
+        p.error("--designed-repeats must be >= 1 and --max-levels >= 2")
+    if args.designed_ms is not None and min(args.designed_ms) < 1:
+        p.error("--designed-ms must be >= 1")
     if args.limit < 2:
         p.error("--limit must be >= 2 (the fit clusters and cross-validates by generation)")
     if args.max_new_tokens < 1:
@@ -72,13 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     prompts = load_prompts(args.source, args.limit)
     print(f"calibrating on {pair.device} ({pair.dtype}, experts={pair.experts_implementation}): "
           f"{len(prompts)} prompts x K in {args.ks}, looks at K in {args.look_ks}",
           flush=True)  # fmt: skip
     result = run_calibration(pair, prompts, args.ks, args.max_new_tokens, args.warmup_tokens,
-                             args.out, args.repeats, args.look_ks)  # fmt: skip
+                             args.out, args.repeats, args.look_ks, args.design,
+                             args.designed_ms or (), args.designed_repeats,
+                             args.max_levels)  # fmt: skip
     params = {**{k: str(v) for k, v in vars(args).items()}, **result.meta}
     with tracked_run("calibrate", params=params) as tracked:
         tracked.log_metrics(fit_metrics(result.fit, result.rounds))
@@ -88,6 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     print()
     print(format_report(result.fit, result.per_k))
+    if result.comparison is not None:
+        print()
+        print(format_design_comparison(result.comparison, result.cells))
     print(
         f"\nwrote {args.out}/costmodel.json, rounds.parquet, plots; MLflow run {run_id} at "
         f"{tracking_uri()}"

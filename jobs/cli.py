@@ -18,13 +18,18 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     )
 
 
-def add_model_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=str(DEFAULT_TARGET), help="target checkpoint dir or id")
     p.add_argument("--draft", default=str(DEFAULT_DRAFT), help="draft checkpoint dir or id")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 ...")
-    if experts:
-        p.add_argument("--experts-implementation", default="eager", choices=EXPERTS_IMPLEMENTATIONS)
+    # Every job that loads models takes it: a cost model is bound to the kernel it timed.
+    p.add_argument(
+        "--experts-implementation",
+        default="eager",
+        choices=EXPERTS_IMPLEMENTATIONS,
+        help="MoE experts kernel (eager: cost tracks unique experts on CPU)",
+    )
 
 
 def run(main: Callable[[], object]) -> None:

@@ -2,7 +2,8 @@
 
   1. extract   reference sequences from HumanEval, draft confidences, target routing, junk tails
   2. profile   experts used per layer, growth of the expert union over consecutive tokens
-  3. calibrate timed speculative rounds -> costmodel.json
+  3. calibrate timed speculative rounds and passes with routing forced to every union size
+               (--calibration-design) -> costmodel.json
   4. oracle    the Bellman bound per Lmax, delta space, lambda, the alpha = 0 ablation
 
 Each step is the same code as its own job (jobs.extract, jobs.calibrate, jobs.oracle) and logs
@@ -21,10 +22,10 @@ from pathlib import Path
 from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
-from jobs.cli import ray_session, run
+from jobs.cli import add_model_args, ray_session, run
 from pipeline.extract.routing_profile import extraction_profile
 from pipeline.models.adapters import moe_spec
-from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_config
+from pipeline.models.loading import load_config
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -44,8 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lmax", type=int, default=12, help="largest draft length studied (12)")
     p.add_argument("--calibration-prompts", type=int, default=4, help="prompts timed (4)")
     p.add_argument("--calibration-tokens", type=int, default=48, help="tokens per timed run")
-    p.add_argument("--target", default=str(DEFAULT_TARGET))
-    p.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    p.add_argument("--calibration-design", choices=("forced", "observational"),
+                   default="forced", help="the target's cost: routing set by design at every "
+                   "union size (forced, default) or the router's own (observational)")  # fmt: skip
+    add_model_args(p)
     p.add_argument("--out", type=Path, default=Path("out/study"))
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     args = p.parse_args(argv)
@@ -66,7 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     out: Path = args.out
     extract_dir, cal_dir, oracle_dir = out / "extract", out / "calibration", out / "oracle"
-    models = ["--target", args.target, "--draft", args.draft]
+    models = ["--target", args.target, "--draft", args.draft, "--device", args.device,
+              "--dtype", args.dtype,
+              "--experts-implementation", args.experts_implementation]  # fmt: skip
     with ray_session(num_cpus=args.num_cpus):
         _banner("1/4 extract")
         extract_job.main(
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
                 str(args.calibration_tokens),
                 "--out",
                 str(cal_dir),
+                "--design",
+                args.calibration_design,
                 *models,
             ]
         )

@@ -26,7 +26,7 @@ DEFAULT_OUT = REPO_ROOT / "models" / "predictor"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_predictor", __doc__)
-    add_model_args(p, experts=False)
+    add_model_args(p)
     p.add_argument("--extract", type=Path, required=True, help="extraction dir (tokens table)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to save ({DEFAULT_OUT})")
     p.add_argument("--epochs", type=int, default=30, help="training epochs (30)")
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    pair = load_pair(args.target, args.draft, args.device, args.dtype)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     trained = train_predictor(pair, args.extract, args.out, args.epochs, args.batch_size,
                               args.lr, args.held_out, args.seed,
                               log=lambda line: print(line, flush=True))  # fmt: skip

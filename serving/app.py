@@ -80,7 +80,7 @@ class SpecboundServer:
         for module in args.policy_modules:
             importlib.import_module(module)
         self.pair = load_pair(args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT,
-                              args.device, args.dtype)  # fmt: skip
+                              args.device, args.dtype, args.experts_implementation)  # fmt: skip
         self.limits = args.step_limits()
         self.engine = SpeculativeEngine(self.pair, self.limits)
         # The cost-aware policies' artifacts, checked against this pair once; if they are

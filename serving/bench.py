@@ -30,6 +30,7 @@ class ServeBenchSettings:
     draft: str
     device: str
     dtype: str
+    experts_implementation: str
     speculation: dict[str, Any]  # {"policy": name, **knobs}
     max_tokens: int
     temperature: float
@@ -151,6 +152,7 @@ def start_endpoint(settings: ServeBenchSettings) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app({"target": settings.target, "draft": settings.draft,
                      "device": settings.device, "dtype": settings.dtype,
+                     "experts_implementation": settings.experts_implementation,
                      "num_cpus": settings.replica_cpus,
                      "num_gpus": 1 if torch.cuda.is_available() else 0,
                      "max_tokens_limit": max(1024, settings.max_tokens)})  # fmt: skip
@@ -166,7 +168,8 @@ def run_serve_bench(
 ) -> ServeBenchResult:
     """The in-process side first (its model pair is freed before the endpoint starts), then the
     endpoint at ``url``, or, without one, an endpoint started here inside ``ray_session()``."""
-    pair = load_pair(settings.target, settings.draft, settings.device, settings.dtype)
+    pair = load_pair(settings.target, settings.draft, settings.device, settings.dtype,
+                     settings.experts_implementation)  # fmt: skip
     if pair.device.type == "cpu":
         torch.set_num_threads(max(1, int(settings.replica_cpus)))  # as many threads as a replica
     local = bench_in_process(pair, texts, settings)

@@ -17,6 +17,7 @@ class AppArgs(BaseModel):
     draft: str | None = None
     device: str = "auto"  # CUDA when the replica has a GPU
     dtype: str = "auto"
+    experts_implementation: str = "eager"  # the MoE kernel; the cost model records its own
     model_name: str = "specbound"  # the id in /v1/models and responses
     max_tokens_limit: int = Field(1024, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)

@@ -192,3 +192,21 @@ def test_train_predictor_job_reports_a_missing_extraction(tmp_path):
     proc = _run(["jobs.train_predictor", "--extract", "nowhere"], tmp_path, check=False)
     assert proc.returncode == 2 and "holds no extraction" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("job", "required"),
+    [("bench_extract", []), ("bench_online", []), ("bench_serve", []), ("calibrate", []),
+     ("extract", []), ("profile_routing", []), ("study", []),
+     ("train_predictor", ["--extract", "{tmp}"])],
+)  # fmt: skip
+def test_every_job_that_loads_models_takes_the_experts_implementation(job, required, tmp_path):
+    """A cost model is bound to the experts kernel it timed, so every job that loads the
+    models says which one it runs."""
+    import importlib
+
+    (tmp_path / "tokens").mkdir()  # what train_predictor checks its extraction for
+    module = importlib.import_module(f"jobs.{job}")
+    required = [a.format(tmp=tmp_path) for a in required]
+    args = module.parse_args([*required, "--experts-implementation", "grouped_mm"])
+    assert args.experts_implementation == "grouped_mm"

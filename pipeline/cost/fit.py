@@ -133,8 +133,13 @@ def drop_interference(df: pd.DataFrame, z: float = 8.0) -> tuple[pd.DataFrame, i
     return df[keep].reset_index(drop=True), int((~keep).sum())
 
 
-def fit_cost_model(rounds: pd.DataFrame, meta: dict[str, Any] | None = None) -> CostFit:
-    """All fits; the returned CostModel carries the per-m coefficients and the draft line."""
+def fit_cost_model(
+    rounds: pd.DataFrame,
+    meta: dict[str, Any] | None = None,
+    draft_rounds: pd.DataFrame | None = None,
+) -> CostFit:
+    """All fits; the returned CostModel carries the per-m coefficients and the draft line.
+    ``draft_rounds``: fit the draft line on these instead (designed rounds run no draft)."""
     required = {"gen_id", "k", "m", "t_target_ms", "t_draft_ms", "u_bar", "ctx_len"}
     missing = required - set(rounds.columns)
     if missing:
@@ -153,7 +158,13 @@ def fit_cost_model(rounds: pd.DataFrame, meta: dict[str, Any] | None = None) -> 
                      "(> 8 robust SD above the median of their m or draft forwards)")  # fmt: skip
     spec_rounds = df[df["k"] > 0]
     pooled = fit_linear(spec_rounds, "t_target_ms", ["u_bar", "ctx_len", "k"])
-    draft = fit_draft(df)
+    if draft_rounds is None:
+        draft = fit_draft(df)
+    else:
+        draft_df = draft_rounds.reset_index(drop=True)
+        if "draft_forwards" not in draft_df.columns:
+            draft_df = draft_df.assign(draft_forwards=draft_df["k"])
+        draft = fit_draft(drop_interference(draft_df)[0])
     factors = factor_importance(spec_rounds if len(spec_rounds) else df)
     fit_quality = {
         str(int(r.m)): {

@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from pipeline.cost.designed import beta0_monotone
 from pipeline.cost.fit import CostFit
 
 
@@ -68,4 +69,36 @@ def format_report(fit: CostFit, per_k: pd.DataFrame) -> str:
         fit.factors.to_string(index=False, float_format="{:.4f}".format),
     ]
     lines += [f"note: {note}" for note in fit.notes]
+    return "\n".join(lines)
+
+
+def format_design_comparison(comparison: pd.DataFrame, cells: pd.DataFrame | None) -> str:
+    """Both designs per m, beside the designed model's error on the observational rounds,
+    and the timing noise left per (m, U) cell."""
+    lines = [
+        "designs side by side (forced: routing set, every U; observational: the router's own):",
+        "   m | forced: beta0 +- SE   alpha +- SE   R2  OOS R2 | observational: beta0 +- SE   "
+        "alpha +- SE   R2  OOS R2 | forced on observational rounds: R2  MAPE",
+    ]
+    for r in comparison.itertuples():
+        lines.append(
+            f"{r.m:>4} | {_fmt(r.beta0_forced):>8} {_fmt(r.beta0_se_forced):>6} "
+            f"{_fmt(r.alpha_forced, '.4f'):>8} {_fmt(r.alpha_se_forced, '.4f'):>6} "
+            f"{_fmt(r.r2_forced, '.2f'):>5} {_fmt(r.oos_r2_forced, '.2f'):>6} | "
+            f"{_fmt(r.beta0_observational):>8} {_fmt(r.beta0_se_observational):>6} "
+            f"{_fmt(r.alpha_observational, '.4f'):>8} "
+            f"{_fmt(r.alpha_se_observational, '.4f'):>6} {_fmt(r.r2_observational, '.2f'):>5} "
+            f"{_fmt(r.oos_r2_observational, '.2f'):>6} | {_fmt(r.heldout_r2, '.2f'):>5} "
+            f"{_fmt(r.heldout_mape, '.2f'):>6}%"
+        )
+    forced = comparison.rename(columns={"beta0_forced": "beta0", "beta0_se_forced": "beta0_se",
+                                        "alpha_se_forced": "alpha_se"})  # fmt: skip
+    problems = beta0_monotone(forced[["m", "beta0", "beta0_se", "alpha_se"]])
+    lines.append("forced beta0(m) monotone within 95% intervals (m with a slope): "
+                 + ("yes" if not problems else "no: " + "; ".join(problems)))  # fmt: skip
+    if cells is not None and len(cells):
+        rel = cells["rel_mad_pct"]
+        lines.append(f"noise left per (m, U) cell (robust SD / median): median "
+                     f"{rel.median():.1f}%, max {rel.max():.1f}% over {len(cells)} "
+                     "cells")  # fmt: skip
     return "\n".join(lines)

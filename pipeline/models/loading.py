@@ -101,6 +101,10 @@ def load_model(
     dtype = dtype or pick_dtype(device)
     config = load_config(name_or_path, role)
     kwargs: dict = {"dtype": dtype}
+    if device.type == "cuda":
+        # Weights go straight to the GPU, shard by shard: a large checkpoint never has to fit
+        # in host memory first (transformers 5 builds the model on the meta device).
+        kwargs["device_map"] = str(device)
     if role == "target" or _has_experts(config):
         kwargs["experts_implementation"] = experts_implementation
     try:

@@ -1,0 +1,166 @@
+"""Designed calibration (routing forced to every union size U at every m): the passes compute
+exactly the experts the design sets, the cells cover the feasible range, the fit on cell
+medians recovers known coefficients, the designed model is scored on observational rounds, and
+`jobs.calibrate --design forced` writes both designs side by side.
+
+As in test_calibrate.py, no assertion depends on how fast or busy this machine is: real
+timings are checked for shape and sanity; what the fit guarantees is checked on times
+synthesised from known coefficients over the real design."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pipeline.cost.designed import (
+    _timed_pass,
+    beta0_monotone,
+    cell_dispersion,
+    cell_medians,
+    collect_designed_rounds,
+    error_on,
+    union_levels,
+)
+from pipeline.cost.fit import fit_cost_model
+from pipeline.data.prompts import Prompt
+from pipeline.data.schemas import ROUNDS_SCHEMA
+from pipeline.models.forced_routing import ForcedRouting, feasible_unions
+from pipeline.models.loading import REPO_ROOT, load_pair
+from pipeline.models.routing import RoutingCapture
+from tests.conftest import TEXTS
+
+PROMPTS = [Prompt(f"p{i}", "code", TEXTS[i].text, "test") for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoints):
+    return load_pair(checkpoints.target, checkpoints.draft, "cpu", "float32")
+
+
+def test_union_levels_span_the_feasible_range():
+    assert union_levels(4, 2, 8, 8) == list(feasible_unions(4, 2, 8)) == [2, 3, 4, 5, 6, 7, 8]
+    levels = union_levels(13, 4, 32, 5)
+    assert levels[0] == 4 and levels[-1] == 32 and len(levels) == 5
+    assert union_levels(1, 4, 32, 8) == [4]  # one position: the union is its top_k
+
+
+def test_a_designed_pass_computes_exactly_the_forced_union(pair):
+    spec = pair.spec
+    gen = torch.Generator().manual_seed(0)
+    ids = pair.tokenizer(TEXTS[0].text, add_special_tokens=False)["input_ids"][:24]
+    cache = DynamicCache(config=pair.target.config)
+    with torch.no_grad():
+        pair.target(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+        with ForcedRouting(pair.target, spec) as forced, RoutingCapture(pair.target, spec) as cap:
+            for m in (1, 2, 3):
+                for u in feasible_unions(m, spec.top_k, spec.num_experts):
+                    t_ms = _timed_pass(pair, forced, cache, len(ids) - 1, ids[-1], m, u, gen)
+                    routing = cap.take(1, m)[0]  # [m, layers, top_k]
+                    for layer in range(spec.num_moe_layers):
+                        assert len(torch.unique(routing[:, layer])) == u, (m, u, layer)
+                    assert t_ms > 0
+                    assert cache.get_seq_length() == len(ids) - 1  # rolled back
+
+
+def test_collected_cells_cover_every_m_and_level(pair):
+    table = collect_designed_rounds(pair, PROMPTS, [1, 2, 3], repeats=2, max_levels=3,
+                                    log=lambda _: None)  # fmt: skip
+    assert table.schema.equals(ROUNDS_SCHEMA)
+    df = table.to_pandas()
+    spec = pair.spec
+    cells = {(m, u) for m in (1, 2, 3) for u in union_levels(m, spec.top_k, spec.num_experts, 3)}
+    assert set(zip(df["m"], df["u_bar"].astype(int), strict=True)) == cells
+    assert len(df) == len(PROMPTS) * len(cells) * 2
+    assert (df["draft_forwards"] == 0).all() and (df["t_target_ms"] > 0).all()
+    assert df.groupby("gen_id")["m"].nunique().max() == 1  # a group is one (prompt, m)
+    medians = cell_medians(df)
+    assert len(medians) == len(PROMPTS) * len(cells) and (medians["repeats"] == 2).all()
+    spread = cell_dispersion(df)
+    assert len(spread) == len(cells) and (spread["rel_mad_pct"] >= 0).all()
+
+
+def _synthetic(rng: np.random.Generator) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """Designed passes and observational rounds timed by known coefficients plus noise."""
+    truth = {"beta0": {m: 5.0 + 0.2 * m for m in range(1, 6)}, "alpha": 0.6, "c": 0.002}
+
+    def price(m, u, ctx):
+        return truth["beta0"][m] + (truth["alpha"] * u if m > 1 else 0.0) + truth["c"] * ctx
+
+    rows = []
+    for p in range(6):
+        ctx = 40 + 30 * p
+        for m in range(1, 6):
+            for u in union_levels(m, 4, 32, 6):
+                for r in range(5):
+                    t = price(m, u, ctx) * rng.lognormal(0, 0.05)
+                    rows.append({"gen_id": f"p{p}|m{m}", "category": "c", "k": m - 1, "m": m,
+                                 "u_bar": float(u), "ctx_len": ctx, "kv_tokens": ctx - 1,
+                                 "kv_occupancy": 0.0, "accepted": 0, "round": r,
+                                 "draft_forwards": 0, "t_draft_ms": 0.0,
+                                 "t_target_ms": t})  # fmt: skip
+    obs = []
+    for g in range(8):
+        m = g % 5 + 1
+        for r in range(20):
+            u = float(rng.uniform(4, min(4 * m, 32))) if m > 1 else 4.0
+            ctx = 50 + r
+            obs.append({"gen_id": f"g{g}", "category": "c", "k": m - 1, "m": m, "u_bar": u,
+                        "ctx_len": ctx, "kv_tokens": ctx - 1, "kv_occupancy": 0.0,
+                        "accepted": 0, "round": r, "draft_forwards": m - 1,
+                        "t_draft_ms": 0.5 + 1.2 * (m - 1) * rng.lognormal(0, 0.03),
+                        "t_target_ms": price(m, u, ctx) * rng.lognormal(0, 0.05)})  # fmt: skip
+    return pd.DataFrame(rows), pd.DataFrame(obs), truth
+
+
+def test_the_fit_on_cell_medians_recovers_the_coefficients_and_prices_observed_rounds():
+    designed, observed, truth = _synthetic(np.random.default_rng(0))
+    fit = fit_cost_model(cell_medians(designed), {}, draft_rounds=observed)
+    for m in range(2, 6):
+        assert fit.model.alpha[m] == pytest.approx(truth["alpha"], abs=0.05), m
+    assert fit.model.draft_a == pytest.approx(1.2, abs=0.1)  # from the observational rounds
+    assert (fit.per_m.loc[fit.per_m["m"] >= 2, "oos_r2"] > 0.9).all()
+    held = error_on(fit.model, observed)
+    assert list(held["m"]) == [1, 2, 3, 4, 5, "all"]
+    assert held.iloc[-1]["mape"] < 8  # 5% multiplicative noise on the observed rounds
+    assert beta0_monotone(fit.per_m) == []
+
+
+def test_beta0_monotone_names_a_drop_beyond_the_intervals():
+    per_m = pd.DataFrame({"m": [2, 3, 4], "beta0": [6.0, 5.0, 6.5],
+                          "beta0_se": [0.1, 0.1, 0.1]})  # fmt: skip
+    (problem,) = beta0_monotone(per_m)
+    assert "beta0(3)" in problem and "beta0(2)" in problem
+    assert beta0_monotone(per_m.assign(beta0_se=1.0)) == []  # within the intervals
+
+
+@pytest.mark.slow
+def test_calibrate_job_with_the_forced_design(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    args = ("--design forced --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
+            "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "jobs.calibrate", *args.split()], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "designs side by side" in proc.stdout and "noise left per (m, U) cell" in proc.stdout
+    out = tmp_path / "cal"
+    for name in ("costmodel.json", "costmodel_observational.json", "designed_rounds.parquet",
+                 "cells.csv", "design_comparison.csv", "rounds.parquet"):  # fmt: skip
+        assert (out / name).is_file(), name
+    data = json.loads((out / "costmodel.json").read_text())
+    assert data["design"] == "forced" and data["torch_threads"] == 1
+    assert data["designed_statistic"] == "cell median"
+    assert json.loads((out / "costmodel_observational.json").read_text())["design"] == (
+        "observational"
+    )
+    comparison = pd.read_csv(out / "design_comparison.csv")
+    assert list(comparison["m"]) == [1, 2, 4]
+    assert {"alpha_forced", "alpha_observational", "heldout_mape"} <= set(comparison.columns)
