@@ -2,8 +2,8 @@
 
   1. extract   reference sequences from HumanEval, draft confidences, target routing, junk tails
   2. profile   experts used per layer, growth of the expert union over consecutive tokens
-  3. calibrate timed speculative rounds and passes with routing forced to every union size
-               (--calibration-design) -> costmodel.json
+  3. calibrate timed speculative rounds (or, --calibration-design forced, also passes with
+               routing forced to every union size) -> costmodel.json
   4. oracle    the Bellman bound per Lmax, delta space, lambda, the alpha = 0 ablation
 
 Each step is the same code as its own job (jobs.extract, jobs.calibrate, jobs.oracle) and logs
@@ -45,9 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lmax", type=int, default=12, help="largest draft length studied (12)")
     p.add_argument("--calibration-prompts", type=int, default=4, help="prompts timed (4)")
     p.add_argument("--calibration-tokens", type=int, default=48, help="tokens per timed run")
-    p.add_argument("--calibration-design", choices=("forced", "observational"),
-                   default="forced", help="the target's cost: routing set by design at every "
-                   "union size (forced, default) or the router's own (observational)")  # fmt: skip
+    p.add_argument("--calibration-design", choices=("observational", "forced"),
+                   default="observational", help="the target's cost: the router's own choices "
+                   "(observational, default) or routing set by design at every union size "
+                   "(forced; see jobs.calibrate --design)")  # fmt: skip
     add_model_args(p)
     p.add_argument("--out", type=Path, default=Path("out/study"))
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
