@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="U levels per m, evenly spaced over the feasible range (8)",
     )
     p.add_argument(
+        "--designed-contexts",
+        default="auto",
+        help="context lengths (tokens) of the forced design, e.g. 128,512,1024; 'auto': 3 "
+        "spread over the observational rounds' range; 'prompts': the prompts' own lengths",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -85,6 +91,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--designed-repeats must be >= 1 and --max-levels >= 2")
     if args.designed_ms is not None and min(args.designed_ms) < 1:
         p.error("--designed-ms must be >= 1")
+    contexts = args.designed_contexts.strip().lower()
+    if contexts == "auto":
+        args.designed_contexts = None
+    elif contexts == "prompts":
+        args.designed_contexts = ()
+    else:
+        try:
+            args.designed_contexts = sorted({int(x) for x in contexts.split(",")})
+        except ValueError:
+            p.error(f"--designed-contexts: {args.designed_contexts!r} is not 'auto', "
+                    "'prompts' or comma-separated integers")  # fmt: skip
+        if min(args.designed_contexts) < 2:
+            p.error("--designed-contexts must be >= 2 tokens")
     if args.limit < 2:
         p.error("--limit must be >= 2 (the fit clusters and cross-validates by generation)")
     if args.max_new_tokens < 1:
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = run_calibration(pair, prompts, args.ks, args.max_new_tokens, args.warmup_tokens,
                              args.out, args.repeats, args.look_ks, args.design,
                              args.designed_ms or (), args.designed_repeats,
-                             args.max_levels)  # fmt: skip
+                             args.max_levels, args.designed_contexts)  # fmt: skip
     params = {**{k: str(v) for k, v in vars(args).items()}, **result.meta}
     with tracked_run("calibrate", params=params) as tracked:
         tracked.log_metrics(fit_metrics(result.fit, result.rounds))

@@ -26,6 +26,7 @@ from pipeline.cost.designed import (
     cell_dispersion,
     cell_medians,
     collect_designed_rounds,
+    context_ids,
     error_on,
     union_levels,
 )
@@ -118,6 +119,21 @@ def _synthetic(rng: np.random.Generator) -> tuple[pd.DataFrame, pd.DataFrame, di
                         "t_draft_ms": 0.5 + 1.2 * (m - 1) * rng.lognormal(0, 0.03),
                         "t_target_ms": price(m, u, ctx) * rng.lognormal(0, 0.05)})  # fmt: skip
     return pd.DataFrame(rows), pd.DataFrame(obs), truth
+
+
+def test_contexts_of_set_lengths_end_with_their_prompt(pair):
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    assert context_ids(prompts, 0, 2) == [2, 3]
+    assert context_ids(prompts, 1, 6) == [6, 1, 2, 3, 4, 5]  # the others, then the prompt
+    assert context_ids(prompts, 2, 9) == [3, 4, 5, 1, 2, 3, 4, 5, 6]  # cycled
+    assert context_ids([[7, 8]], 0, 5) == [8, 7, 8, 7, 8]
+    table = collect_designed_rounds(pair, PROMPTS[:2], [1, 2], repeats=1, max_levels=2,
+                                    log=lambda _: None, contexts=[12, 40])  # fmt: skip
+    df = table.to_pandas()
+    assert sorted(df["ctx_len"].unique()) == [12, 40]
+    assert df.groupby("gen_id")["ctx_len"].nunique().max() == 1
+    assert len(df) == 2 * 2 * sum(len(union_levels(m, pair.spec.top_k, pair.spec.num_experts,
+                                                     2)) for m in (1, 2))  # fmt: skip
 
 
 def test_the_fit_on_cell_medians_recovers_the_coefficients_and_prices_observed_rounds():

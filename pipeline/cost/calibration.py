@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -77,11 +78,14 @@ def run_calibration(
     designed_ms: Iterable[int] = (),
     designed_repeats: int = 5,
     max_levels: int = 8,
+    designed_contexts: Iterable[int] | None = None,
 ) -> CalibrationResult:
     """Time greedy rounds with a fixed chain of K draft tokens for every K in ``ks`` (and look
     rounds, K tokens and K + 1 draft forwards, for every K in ``look_ks``), fit the cost model
     and write it with its report artifacts under ``out``. ``design="forced"`` fits the target
-    on designed passes (every m in ``designed_ms``, default K + 1 for K in ``ks``) instead."""
+    on designed passes (every m in ``designed_ms``, default K + 1 for K in ``ks``) instead,
+    at the context lengths ``designed_contexts`` (default: 3 spread over the observational
+    rounds' range; () for the prompts' own lengths)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {', '.join(DESIGNS)}, got {design!r}")
     repeats = repeats or default_repeats(pair)
@@ -101,9 +105,13 @@ def run_calibration(
         "design": design,
     }
     if design == "forced":
+        if designed_contexts is None:  # span what the observational rounds saw
+            low, high = int(df["ctx_len"].min()), int(df["ctx_len"].max())
+            designed_contexts = sorted({int(x) for x in np.linspace(low, high, 3).round()})
         designed = collect_designed_rounds(pair, prompts, list(designed_ms) or
                                            [k + 1 for k in ks], designed_repeats,
-                                           max_levels)  # fmt: skip
+                                           max_levels, contexts=designed_contexts)  # fmt: skip
+        meta["designed_contexts"] = list(designed_contexts)
         write_table_atomic(designed, out / "designed_rounds.parquet")
         des = designed.to_pandas()
         observational = fit_cost_model(df, {**meta, "design": "observational"})

@@ -44,6 +44,20 @@ def union_levels(m: int, top_k: int, num_experts: int, max_levels: int) -> list[
     return sorted({feasible[i] for i in picks})
 
 
+def context_ids(prompt_ids: list[list[int]], index: int, length: int) -> list[int]:
+    """A context of exactly ``length`` tokens ending with prompt ``index``: its last tokens,
+    or, when it is shorter, the other prompts' tokens before it (real text, cycled)."""
+    n = len(prompt_ids)
+    # The other prompts in order (this one when it is alone): prepended, again and again.
+    filler = [t for j in range(1, n) for t in prompt_ids[(index + j) % n]] or prompt_ids[index]
+    if not filler:
+        raise ValueError("the prompts have no tokens to build a context from")
+    ids = list(prompt_ids[index])
+    while len(ids) < length:
+        ids = filler[-(length - len(ids)) :] + ids
+    return ids[-length:]
+
+
 def collect_designed_rounds(
     pair: ModelPair,
     prompts: list[Prompt],
@@ -53,49 +67,65 @@ def collect_designed_rounds(
     max_prompt_tokens: int = 512,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    contexts: Iterable[int] = (),
 ) -> pa.Table:
-    """For every prompt (its context): every (m, U) cell ``repeats`` times in a shuffled
-    order; a row per timed pass. gen_id is prompt|m, so that the fit's clustering and
-    cross-validation hold out whole (prompt, m) groups as they hold out generations."""
+    """For every prompt and context length L (``contexts``; none given: the prompt's own
+    length): every (m, U) cell ``repeats`` times, all in one shuffled order; a row per timed
+    pass.
+    Setting L as well spans the context term, which would otherwise trade off against
+    beta0(m) over the prompts' few lengths. gen_id is prompt|L|m, so that the fit's clustering
+    and cross-validation hold out whole groups as they hold out generations."""
     spec, target = pair.spec, pair.target
     ms = sorted(set(ms))
-    if not prompts or not ms or min(ms) < 1 or repeats < 1:
-        raise ValueError("designed calibration needs prompts, m >= 1 and repeats >= 1")
+    contexts = sorted(set(contexts))
+    if not prompts or not ms or min(ms) < 1 or repeats < 1 or (contexts and contexts[0] < 2):
+        raise ValueError("designed calibration needs prompts, m >= 1, repeats >= 1 and "
+                         "contexts >= 2 tokens")  # fmt: skip
     cells = [(m, u) for m in ms for u in union_levels(m, spec.top_k, spec.num_experts,
                                                       max_levels)]  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     order = np.random.default_rng(seed)
     max_pos = getattr(target.config, "max_position_embeddings", 0) or 0
+    encoded = [encode(pair.tokenizer, p.text, keep_last=max_prompt_tokens) for p in prompts]
+    runs = [(i, length) for i in range(len(prompts))
+            for length in (contexts or [len(encoded[i])]) if length >= 2]  # fmt: skip
     rows: list[dict] = []
-    started = time.perf_counter()
     with torch.no_grad(), ForcedRouting(target, spec) as forced:
-        for n, prompt in enumerate(prompts, 1):
-            ids = encode(pair.tokenizer, prompt.text, keep_last=max_prompt_tokens)
-            if len(ids) < 2:
-                continue
-            cache = _prefill(pair, ids[:-1])
+        # Every context's cache stays alive, so that one shuffled order interleaves all the
+        # (context, m, U) cells: a drift in the machine's speed during the run then spreads
+        # over every cell instead of lining up with the context length or the prompt.
+        states = []
+        for i, length in runs:
+            ids = context_ids(encoded, i, length)
+            states.append((prompts[i], ids, _prefill(pair, ids[:-1])))
+        log(f"[calibrate:designed] {len(states)} contexts x {len(cells)} (m, U) cells x "
+            f"{repeats} repeats = {len(states) * len(cells) * repeats:,} passes")  # fmt: skip
+
+        def run(state, m: int, u: int) -> float:
+            _, ids, cache = state
+            return _timed_pass(pair, forced, cache, len(ids) - 1, ids[-1], m, u, gen)
+
+        for m, u in cells:  # warm-up: allocator, kernels, every shape once; discarded
+            run(states[0], m, u)
+        plan = [(s_, cell) for s_ in range(len(states)) for cell in cells
+                for _ in range(repeats)]  # fmt: skip
+        started, report_every = time.perf_counter(), max(1, len(plan) // 10)
+        for done, j in enumerate(order.permutation(len(plan)), 1):
+            s_, (m, u) = plan[j]
+            prompt, ids, _ = states[s_]
             base = len(ids) - 1
-
-            def run(m: int, u: int, cache=cache, base=base, last=ids[-1]) -> float:
-                return _timed_pass(pair, forced, cache, base, last, m, u, gen)
-
-            if n == 1:  # warm-up: allocator, kernels, every shape once; discarded
-                for m, u in cells:
-                    run(m, u)
-            plan = [cell for cell in cells for _ in range(repeats)]
-            for i in order.permutation(len(plan)):
-                m, u = plan[i]
-                rows.append({
-                    "gen_id": f"{prompt.prompt_id}|m{m}", "category": prompt.category,
-                    "k": m - 1, "m": m, "t_target_ms": run(m, u), "t_draft_ms": 0.0,
-                    "draft_forwards": 0, "u_bar": float(u), "ctx_len": len(ids),
-                    "kv_tokens": base, "kv_occupancy": base / max_pos if max_pos else 0.0,
-                    "accepted": 0, "round": len(rows),
-                })  # fmt: skip
-            forced.set(None)
-            elapsed = time.perf_counter() - started
-            log(f"[calibrate:designed] prompt {n}/{len(prompts)}: {len(rows):,} passes, "
-                f"ETA {elapsed / n * (len(prompts) - n):.0f}s")  # fmt: skip
+            rows.append({
+                "gen_id": f"{prompt.prompt_id}|L{len(ids)}|m{m}", "category": prompt.category,
+                "k": m - 1, "m": m, "t_target_ms": run(states[s_], m, u), "t_draft_ms": 0.0,
+                "draft_forwards": 0, "u_bar": float(u), "ctx_len": len(ids),
+                "kv_tokens": base, "kv_occupancy": base / max_pos if max_pos else 0.0,
+                "accepted": 0, "round": len(rows),
+            })  # fmt: skip
+            if done % report_every == 0 or done == len(plan):
+                elapsed = time.perf_counter() - started
+                log(f"[calibrate:designed] {done:,}/{len(plan):,} passes, "
+                    f"ETA {elapsed / done * (len(plan) - done):.0f}s")  # fmt: skip
+        forced.set(None)
     return pa.Table.from_pylist(rows, schema=ROUNDS_SCHEMA)
 
 
