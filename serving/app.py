@@ -116,6 +116,9 @@ class SpecboundServer:
 
     def __del__(self) -> None:
         # Serve has drained what it could; whatever still runs is cancelled now.
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()
         worker = getattr(self, "worker", None)
         if worker is not None and not worker.shutdown(self.args.shutdown_timeout_s):
             log.warning("decoding thread still busy after %ss; exiting anyway",

@@ -33,7 +33,6 @@ from serving.fields import (
 from serving.responses import (  # noqa: F401  (callers import these from here)
     FINISH_REASONS,
     chat_body,
-    completion_body,
     completion_choices_body,
     new_chat_id,
     new_completion_id,

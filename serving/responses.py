@@ -110,22 +110,5 @@ def chat_body(
     return _envelope(cid, obj, created, model, out, chunk, usage, speculation)
 
 
-def completion_body(
-    cid: str,
-    created: int,
-    model: str,
-    text: str | None,
-    finish_reason: str | None,
-    *,
-    chunk: bool = False,
-    usage: dict | None = None,
-    speculation: dict | None = None,
-) -> dict:
-    """One choice's text_completion object (the single-choice form of the above)."""
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason}
-    return completion_choices_body(cid, created, model, [choice], chunk=chunk, usage=usage,
-                                   speculation=speculation)  # fmt: skip
-
-
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
