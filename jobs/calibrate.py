@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from jobs.cli import add_model_args, parse_ks, parser, run
-from pipeline.cost.calibration import run_calibration
+from pipeline.cost.calibration import DESIGNS, run_calibration
 from pipeline.cost.report import fit_metrics, format_design_comparison, format_report
 from pipeline.data.prompts import load_prompts
 from pipeline.models.loading import load_pair
@@ -48,13 +50,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=None,
-        help="time each pass this many times, keep the median (default: 1 on GPU, 3 on CPU)",
+        help="time each pass this many times back to back, keep the median (1: as decoding "
+        "runs it; a repeat finds the weights in cache)",
     )
-    p.add_argument("--design", choices=("observational", "forced"), default="observational",
-                   help="how the target's cost is identified: 'observational' (the router's "
-                        "own choices in speculative rounds) or 'forced' (every union size U at "
-                        "every m, routing set by design; the observational rounds then price "
-                        "the draft and test the designed model)")  # fmt: skip
+    p.add_argument("--design", choices=DESIGNS, default="forced",
+                   help="how the target's cost is identified. 'forced' (default): after every "
+                        "round, --designed-per-round passes with the routing set by design to "
+                        "the next (m, U) cell (every union size U at every m, shuffled), timed "
+                        "at that round's state like the round itself; 'forced-contexts': the "
+                        "same cells in a separate shuffled run at --designed-contexts; "
+                        "'observational': the router's own choices in the rounds. The forced "
+                        "designs still fit the draft line on the rounds and score the designed "
+                        "model on them (design_comparison.csv)")  # fmt: skip
+    p.add_argument(
+        "--designed-per-round",
+        type=int,
+        default=1,
+        help="designed passes after every round (forced; 1)",
+    )
     p.add_argument(
         "--designed-ms",
         type=parse_ks,
@@ -65,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--designed-repeats",
         type=int,
         default=5,
-        help="timed passes per (m, U) cell per prompt, shuffled (5)",
+        help="timed passes per (m, U) cell per context (forced-contexts; 5)",
     )
     p.add_argument(
         "--max-levels",
@@ -76,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--designed-contexts",
         default="auto",
-        help="context lengths (tokens) of the forced design, e.g. 128,512,1024; 'auto': 3 "
+        help="context lengths (tokens) of forced-contexts, e.g. 128,512,1024; 'auto': 3 "
         "spread over the observational rounds' range; 'prompts': the prompts' own lengths",
     )
     p.add_argument(
@@ -87,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=Path("out/calibration"))
     args = p.parse_args(argv)
-    if args.designed_repeats < 1 or args.max_levels < 2:
-        p.error("--designed-repeats must be >= 1 and --max-levels >= 2")
+    if args.designed_repeats < 1 or args.designed_per_round < 1 or args.max_levels < 2:
+        p.error("--designed-repeats and --designed-per-round must be >= 1, --max-levels >= 2")
     if args.designed_ms is not None and min(args.designed_ms) < 1:
         p.error("--designed-ms must be >= 1")
     contexts = args.designed_contexts.strip().lower()
@@ -104,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "'prompts' or comma-separated integers")  # fmt: skip
         if min(args.designed_contexts) < 2:
             p.error("--designed-contexts must be >= 2 tokens")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
     if args.limit < 2:
         p.error("--limit must be >= 2 (the fit clusters and cross-validates by generation)")
     if args.max_new_tokens < 1:
@@ -124,10 +139,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        import torch
-
+    threads = torch.get_num_threads()
+    if args.threads:  # for the timings only: a caller (jobs.study) gets its own back
         torch.set_num_threads(args.threads)
+    try:
+        return _calibrate(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(args: argparse.Namespace) -> dict:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     prompts = load_prompts(args.source, args.limit)
     print(f"calibrating on {pair.device} ({pair.dtype}, experts={pair.experts_implementation}): "
@@ -136,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = run_calibration(pair, prompts, args.ks, args.max_new_tokens, args.warmup_tokens,
                              args.out, args.repeats, args.look_ks, args.design,
                              args.designed_ms or (), args.designed_repeats,
-                             args.max_levels, args.designed_contexts)  # fmt: skip
+                             args.max_levels, args.designed_contexts,
+                             args.designed_per_round)  # fmt: skip
     params = {**{k: str(v) for k, v in vars(args).items()}, **result.meta}
     with tracked_run("calibrate", params=params) as tracked:
         tracked.log_metrics(fit_metrics(result.fit, result.rounds))
@@ -148,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_report(result.fit, result.per_k))
     if result.comparison is not None:
         print()
-        print(format_design_comparison(result.comparison, result.cells))
+        print(format_design_comparison(result.comparison, result.cells, result.summary))
     print(
         f"\nwrote {args.out}/costmodel.json, rounds.parquet, plots; MLflow run {run_id} at "
         f"{tracking_uri()}"

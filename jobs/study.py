@@ -2,8 +2,8 @@
 
   1. extract   reference sequences from HumanEval, draft confidences, target routing, junk tails
   2. profile   experts used per layer, growth of the expert union over consecutive tokens
-  3. calibrate timed speculative rounds (or, --calibration-design forced, also passes with
-               routing forced to every union size) -> costmodel.json
+  3. calibrate timed speculative rounds, and after each a pass with the routing forced to the
+               next (m, U) cell of the design (--calibration-design) -> costmodel.json
   4. oracle    the Bellman bound per Lmax, delta space, lambda, the alpha = 0 ablation
 
 Each step is the same code as its own job (jobs.extract, jobs.calibrate, jobs.oracle) and logs
@@ -23,6 +23,7 @@ from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
 from jobs.cli import add_model_args, ray_session, run
+from pipeline.cost.calibration import DESIGNS
 from pipeline.extract.routing_profile import extraction_profile
 from pipeline.models.adapters import moe_spec
 from pipeline.models.loading import load_config
@@ -45,15 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lmax", type=int, default=12, help="largest draft length studied (12)")
     p.add_argument("--calibration-prompts", type=int, default=4, help="prompts timed (4)")
     p.add_argument("--calibration-tokens", type=int, default=48, help="tokens per timed run")
-    p.add_argument("--calibration-design", choices=("observational", "forced"),
-                   default="observational", help="the target's cost: the router's own choices "
-                   "(observational, default) or routing set by design at every union size "
-                   "(forced; see jobs.calibrate --design)")  # fmt: skip
+    p.add_argument("--calibration-design", choices=DESIGNS, default="forced",
+                   help="how the target's cost is identified (forced, default: routing set "
+                        "by design at every union size; see jobs.calibrate --design)")  # fmt: skip
+    p.add_argument("--calibration-threads", type=int, default=1,
+                   help="torch threads while timing (1: what a serving replica runs, and a "
+                        "core stays free for Ray's own processes)")  # fmt: skip
     add_model_args(p)
     p.add_argument("--out", type=Path, default=Path("out/study"))
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     args = p.parse_args(argv)
-    for name in ("limit", "max_new_tokens", "lmax", "calibration_tokens"):
+    for name in ("limit", "max_new_tokens", "lmax", "calibration_tokens", "calibration_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.calibration_prompts < 2:
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
                 str(cal_dir),
                 "--design",
                 args.calibration_design,
+                "--threads",
+                str(args.calibration_threads),
                 *models,
             ]
         )

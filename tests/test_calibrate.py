@@ -156,7 +156,8 @@ def test_the_rounds_design_identifies_the_cost_model(rounds):
 def test_real_calibration_on_embedded_models(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    args = "--limit 6 --ks 0,1,3,5,7 --look-ks 0,3 --max-new-tokens 32 --out cal"
+    args = "--design observational --limit 6 --ks 0,1,3,5,7 --look-ks 0,3 --max-new-tokens 32"
+    args += " --out cal"
     args += " --device cpu --dtype float32 --experts-implementation eager --repeats 5"
     cmd = [sys.executable, "-m", "jobs.calibrate", *args.split()]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)

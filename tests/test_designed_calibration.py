@@ -20,17 +20,23 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pipeline.cost.designed import (
-    _timed_pass,
+from pipeline.cost.design_stats import (
     beta0_monotone,
     cell_dispersion,
     cell_medians,
+    error_on,
+    heldout_summary,
+)
+from pipeline.cost.designed import InSituDesign, designed_pass, union_levels
+from pipeline.cost.designed_contexts import (
     collect_designed_rounds,
     context_ids,
-    error_on,
-    union_levels,
+    prompt_contexts,
+    random_contexts,
 )
 from pipeline.cost.fit import fit_cost_model
+from pipeline.cost.model import CostModel
+from pipeline.cost.rounds import collect_rounds
 from pipeline.data.prompts import Prompt
 from pipeline.data.schemas import ROUNDS_SCHEMA
 from pipeline.models.forced_routing import ForcedRouting, feasible_unions
@@ -58,12 +64,14 @@ def test_a_designed_pass_computes_exactly_the_forced_union(pair):
     gen = torch.Generator().manual_seed(0)
     ids = pair.tokenizer(TEXTS[0].text, add_special_tokens=False)["input_ids"][:24]
     cache = DynamicCache(config=pair.target.config)
+    vocab = int(pair.target.config.vocab_size)
     with torch.no_grad():
         pair.target(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
         with ForcedRouting(pair.target, spec) as forced, RoutingCapture(pair.target, spec) as cap:
             for m in (1, 2, 3):
                 for u in feasible_unions(m, spec.top_k, spec.num_experts):
-                    t_ms = _timed_pass(pair, forced, cache, len(ids) - 1, ids[-1], m, u, gen)
+                    t_ms = designed_pass(pair.target, spec, forced, cache, len(ids) - 1,
+                                         ids[-1], m, u, gen, vocab)  # fmt: skip
                     routing = cap.take(1, m)[0]  # [m, layers, top_k]
                     for layer in range(spec.num_moe_layers):
                         assert len(torch.unique(routing[:, layer])) == u, (m, u, layer)
@@ -72,8 +80,9 @@ def test_a_designed_pass_computes_exactly_the_forced_union(pair):
 
 
 def test_collected_cells_cover_every_m_and_level(pair):
-    table = collect_designed_rounds(pair, PROMPTS, [1, 2, 3], repeats=2, max_levels=3,
-                                    log=lambda _: None)  # fmt: skip
+    contexts = prompt_contexts(pair.tokenizer, PROMPTS)
+    table = collect_designed_rounds(pair.target, pair.spec, contexts, [1, 2, 3], repeats=2,
+                                    max_levels=3, log=lambda _: None)  # fmt: skip
     assert table.schema.equals(ROUNDS_SCHEMA)
     df = table.to_pandas()
     spec = pair.spec
@@ -86,6 +95,39 @@ def test_collected_cells_cover_every_m_and_level(pair):
     assert len(medians) == len(PROMPTS) * len(cells) and (medians["repeats"] == 2).all()
     spread = cell_dispersion(df)
     assert len(spread) == len(cells) and (spread["rel_mad_pct"] >= 0).all()
+
+
+def test_random_contexts_need_no_tokenizer(pair):
+    contexts = random_contexts(int(pair.target.config.vocab_size), [8, 20], per_length=2)
+    assert [len(c.ids) for c in contexts] == [8, 8, 20, 20]
+    assert contexts[0].ids != contexts[1].ids and contexts[0].category == "random"
+    df = collect_designed_rounds(pair.target, pair.spec, contexts, [2], repeats=1,
+                                 max_levels=2, log=lambda _: None).to_pandas()  # fmt: skip
+    assert sorted(df["ctx_len"].unique()) == [8, 20] and len(df) == 4 * 2
+    with pytest.raises(ValueError, match="lengths >= 2"):
+        random_contexts(100, [1])
+
+
+def test_in_situ_passes_run_at_the_rounds_state_and_leave_the_rounds_alone(pair):
+    """One designed pass after every round, at that round's context, cells cycled in
+    shuffled blocks; the rounds themselves (tokens, accepted counts) are what they are
+    without the passes, since every pass rolls the target cache back."""
+    kwargs = {"ks": [0, 2], "max_new_tokens": 10, "warmup_tokens": 2, "log": lambda _: None}
+    plain = collect_rounds(pair, PROMPTS[:2], **kwargs).to_pandas()
+    design = InSituDesign(pair.spec, [1, 2, 3], max_levels=3, repeats=2, per_round=1)
+    rounds = collect_rounds(pair, PROMPTS[:2], observer=design, **kwargs).to_pandas()
+    cols = ["gen_id", "k", "ctx_len", "u_bar", "accepted"]
+    pd.testing.assert_frame_equal(plain[cols], rounds[cols])
+    df = design.table().to_pandas()
+    assert len(df) == len(rounds)
+    assert list(df["ctx_len"]) == list(rounds["ctx_len"] + rounds["accepted"] + 1)
+    assert (df["draft_forwards"] == 0).all() and (df["t_target_ms"] > 0).all()
+    first_block = set(zip(df["m"][: len(design.cells)], df["u_bar"][: len(design.cells)],
+                          strict=True))  # fmt: skip
+    assert first_block == {(m, float(u)) for m, u in design.cells}  # every cell once per block
+    assert set(df["gen_id"].str.rsplit("|", n=1).str[0]) == set(rounds["gen_id"])
+    with pytest.raises(ValueError, match="per_round >= 1"):
+        InSituDesign(pair.spec, [2], per_round=0)
 
 
 def _synthetic(rng: np.random.Generator) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
@@ -127,8 +169,9 @@ def test_contexts_of_set_lengths_end_with_their_prompt(pair):
     assert context_ids(prompts, 1, 6) == [6, 1, 2, 3, 4, 5]  # the others, then the prompt
     assert context_ids(prompts, 2, 9) == [3, 4, 5, 1, 2, 3, 4, 5, 6]  # cycled
     assert context_ids([[7, 8]], 0, 5) == [8, 7, 8, 7, 8]
-    table = collect_designed_rounds(pair, PROMPTS[:2], [1, 2], repeats=1, max_levels=2,
-                                    log=lambda _: None, contexts=[12, 40])  # fmt: skip
+    contexts = prompt_contexts(pair.tokenizer, PROMPTS[:2], [12, 40])
+    table = collect_designed_rounds(pair.target, pair.spec, contexts, [1, 2], repeats=1,
+                                    max_levels=2, log=lambda _: None)  # fmt: skip
     df = table.to_pandas()
     assert sorted(df["ctx_len"].unique()) == [12, 40]
     assert df.groupby("gen_id")["ctx_len"].nunique().max() == 1
@@ -147,6 +190,11 @@ def test_the_fit_on_cell_medians_recovers_the_coefficients_and_prices_observed_r
     assert list(held["m"]) == [1, 2, 3, 4, 5, "all"]
     assert held.iloc[-1]["mape"] < 8  # 5% multiplicative noise on the observed rounds
     assert beta0_monotone(fit.per_m) == []
+    summary = heldout_summary(fit.model, observed)
+    assert summary["rounds"] == len(observed) and summary["generations"] == 8
+    assert abs(summary["bias_pct"]) < 2  # unbiased: the noise is centred
+    # Independent per-round noise averages out over a generation's 20 rounds.
+    assert summary["generation_total_mape_pct"] < summary["mape_pct"] / 2
 
 
 def test_beta0_monotone_names_a_drop_beyond_the_intervals():
@@ -157,26 +205,55 @@ def test_beta0_monotone_names_a_drop_beyond_the_intervals():
     assert beta0_monotone(per_m.assign(beta0_se=1.0)) == []  # within the intervals
 
 
-@pytest.mark.slow
-def test_calibrate_job_with_the_forced_design(tmp_path):
+def _run_calibrate(tmp_path, args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    args = ("--design forced --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
-            "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "jobs.calibrate", *args.split()], cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "jobs.calibrate", *args.split()], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
+DESIGNED_FILES = ("costmodel.json", "costmodel_observational.json", "designed_rounds.parquet",
+                  "cells.csv", "design_comparison.csv", "rounds.parquet")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("design", ["forced", "forced-contexts"])
+def test_calibrate_job_with_a_forced_design(tmp_path, design):
+    args = (f"--design {design} --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
+            "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal")  # fmt: skip
+    proc = _run_calibrate(tmp_path, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "designs side by side" in proc.stdout and "noise left per (m, U) cell" in proc.stdout
     out = tmp_path / "cal"
-    for name in ("costmodel.json", "costmodel_observational.json", "designed_rounds.parquet",
-                 "cells.csv", "design_comparison.csv", "rounds.parquet"):  # fmt: skip
+    for name in DESIGNED_FILES:
         assert (out / name).is_file(), name
     data = json.loads((out / "costmodel.json").read_text())
-    assert data["design"] == "forced" and data["torch_threads"] == 1
-    assert data["designed_statistic"] == "cell median"
+    assert data["design"] == design and data["torch_threads"] == 1
+    if design == "forced":  # in situ: a pass after every round, at the round's repeats
+        assert data["designed_per_round"] == 1 and data["timing_repeats"] == 1
+        designed = pd.read_parquet(out / "designed_rounds.parquet")
+        assert len(designed) == len(pd.read_parquet(out / "rounds.parquet"))
+    else:
+        assert data["designed_statistic"] == "cell median"
     assert json.loads((out / "costmodel_observational.json").read_text())["design"] == (
         "observational"
     )
     comparison = pd.read_csv(out / "design_comparison.csv")
     assert list(comparison["m"]) == [1, 2, 4]
     assert {"alpha_forced", "alpha_observational", "heldout_mape"} <= set(comparison.columns)
+
+
+def test_the_committed_cost_model_comes_from_the_designed_calibration():
+    """models/costmodel.json: measured in situ with forced routing, one timing per pass, one
+    thread; a positive per-expert and context cost and beta0(m) monotone within its
+    intervals; it priced the rounds it was not fitted on without a material bias."""
+    data = json.loads((REPO_ROOT / "models" / "costmodel.json").read_text())
+    model = CostModel.from_json(data)
+    assert data["design"] == "forced" and data["designed_per_round"] >= 1
+    assert data["timing_repeats"] == 1 and data["torch_threads"] == 1
+    assert all(model.alpha[m] > 0 for m in model.alpha if m >= 2) and model.c >= 0
+    per_m = pd.DataFrame([{"m": int(m), "beta0": model.beta0[int(m)], **q}
+                          for m, q in data["fit"]["per_m"].items()])  # fmt: skip
+    assert beta0_monotone(per_m) == []
+    held = data["fit"]["on_observational_rounds"]
+    assert abs(held["bias_pct"]) < 3 and held["rounds"] > 1000

@@ -3,11 +3,13 @@ artifact beside it (rounds.parquet, costmodel.json, per-K summaries from
 sql/calibration_per_k.sql, per-m fit table, factor importance, pooled and draft fits, the two
 plots), written under one directory.
 
-Two designs of the target's rounds: ``observational`` (speculative rounds as decoding runs
-them: U is whatever the router chose) and ``forced`` (pipeline.cost.designed: every U level at
-every m, routing set). The forced design also runs the observational rounds, which price the
-draft line and are the held-out test of the designed model; both fits are written side by side
-(design_comparison.csv) with the per-cell noise left (cells.csv)."""
+Three designs of the target's passes: ``forced`` (the default; pipeline.cost.designed): after
+every round, a pass with the routing set to the next (m, U) cell of a shuffled design spanning
+every union size at every m, timed at that round's state exactly as the round; the same cells in
+a separate shuffled run at set context lengths (``forced-contexts``); or ``observational``
+(the rounds themselves: U is whatever the router chose). The forced designs still time the
+rounds, which price the draft line and are the held-out test of the designed model; both fits
+are written side by side (design_comparison.csv) with the per-cell noise left (cells.csv)."""
 
 from __future__ import annotations
 
@@ -20,12 +22,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipeline.cost.designed import (
-    cell_dispersion,
-    cell_medians,
-    collect_designed_rounds,
-    error_on,
-)
+from pipeline.cost.design_stats import cell_dispersion, cell_medians, error_on, heldout_summary
+from pipeline.cost.designed import InSituDesign
+from pipeline.cost.designed_contexts import collect_designed_rounds, prompt_contexts
 from pipeline.cost.fit import CostFit, fit_cost_model
 from pipeline.cost.plots import plot_draft_vs_k, plot_target_vs_experts
 from pipeline.cost.provenance import pair_provenance
@@ -38,8 +37,8 @@ from pipeline.models.loading import ModelPair
 ARTIFACTS = ("costmodel.json", "rounds.parquet", "per_k.csv", "fit_per_m.csv",
              "factor_importance.csv", "pooled_and_draft.json")  # fmt: skip
 DESIGNED_ARTIFACTS = ("designed_rounds.parquet", "cells.csv", "design_comparison.csv",
-                      "costmodel_observational.json")  # fmt: skip
-DESIGNS = ("observational", "forced")
+                      "design_summary.json", "costmodel_observational.json")  # fmt: skip
+DESIGNS = ("forced", "forced-contexts", "observational")
 PLOTS = ("target_vs_experts.png", "draft_vs_k.png")
 
 
@@ -53,6 +52,7 @@ class CalibrationResult:
     observational: CostFit | None = None  # the forced design's side-by-side observational fit
     comparison: pd.DataFrame | None = None  # per m: both designs, and designed-on-observational
     cells: pd.DataFrame | None = None  # per (m, U) cell: the noise left
+    summary: dict | None = None  # both models on the rounds, overall (design_summary.json)
 
     @property
     def paths(self) -> list[Path]:
@@ -60,9 +60,10 @@ class CalibrationResult:
         return [self.out / name for name in (*ARTIFACTS, *extra, *PLOTS)]
 
 
-def default_repeats(pair: ModelPair) -> int:
-    """Timings per pass: CUDA events are exact on GPU; on CPU the median of 3 fights noise."""
-    return 1 if pair.device.type == "cuda" else 3
+# Timings per pass. One, as decoding runs each pass once: a pass repeated back to back finds
+# its experts' weights in cache. On this CPU the medians of 3 and of 5 were no less noisy than
+# single passes (held-out MAPE 9.2% and 8.4% against 7.3-8.0%). More repeats stay available.
+DEFAULT_REPEATS = 1
 
 
 def run_calibration(
@@ -74,23 +75,32 @@ def run_calibration(
     out: Path,
     repeats: int | None = None,
     look_ks: Iterable[int] = (),
-    design: str = "observational",
+    design: str = "forced",
     designed_ms: Iterable[int] = (),
     designed_repeats: int = 5,
     max_levels: int = 8,
     designed_contexts: Iterable[int] | None = None,
+    designed_per_round: int = 1,
 ) -> CalibrationResult:
     """Time greedy rounds with a fixed chain of K draft tokens for every K in ``ks`` (and look
     rounds, K tokens and K + 1 draft forwards, for every K in ``look_ks``), fit the cost model
-    and write it with its report artifacts under ``out``. ``design="forced"`` fits the target
-    on designed passes (every m in ``designed_ms``, default K + 1 for K in ``ks``) instead,
-    at the context lengths ``designed_contexts`` (default: 3 spread over the observational
-    rounds' range; () for the prompts' own lengths)."""
+    and write it with its report artifacts under ``out``.
+
+    ``design="forced"`` fits the target on designed passes (every m in ``designed_ms``,
+    default K + 1 for K in ``ks``) timed in situ: ``designed_per_round`` after every round, at
+    that round's state, with the rounds' own repeats. ``"forced-contexts"`` times them in a
+    separate shuffled run instead, ``designed_repeats`` per cell at the context lengths
+    ``designed_contexts`` (default: 3 spread over the prompts' lengths to the end of their
+    generations; () for the prompts' own lengths). ``"observational"`` fits the rounds."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {', '.join(DESIGNS)}, got {design!r}")
-    repeats = repeats or default_repeats(pair)
+    repeats = repeats or DEFAULT_REPEATS
+    ms = list(designed_ms) or [k + 1 for k in ks]
+    insitu = None
+    if design == "forced":
+        insitu = InSituDesign(pair.spec, ms, max_levels, repeats, designed_per_round)
     rounds = collect_rounds(pair, prompts, ks, max_new_tokens, warmup_tokens, repeats=repeats,
-                            look_ks=look_ks)  # fmt: skip
+                            look_ks=look_ks, observer=insitu)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     rounds_path = out / "rounds.parquet"
     write_table_atomic(rounds, rounds_path)
@@ -104,32 +114,47 @@ def run_calibration(
         "torch_threads": torch.get_num_threads(),
         "design": design,
     }
-    if design == "forced":
-        if designed_contexts is None:  # span what the observational rounds saw
-            low, high = int(df["ctx_len"].min()), int(df["ctx_len"].max())
-            designed_contexts = sorted({int(x) for x in np.linspace(low, high, 3).round()})
-        designed = collect_designed_rounds(pair, prompts, list(designed_ms) or
-                                           [k + 1 for k in ks], designed_repeats,
-                                           max_levels, contexts=designed_contexts)  # fmt: skip
-        meta["designed_contexts"] = list(designed_contexts)
+    result_extra: dict = {}
+    if design == "observational":
+        fit = fit_cost_model(df, meta)
+    else:
+        if insitu is not None:
+            designed = insitu.table()
+            meta["designed_per_round"] = designed_per_round
+            target_rounds = designed.to_pandas()  # each pass already a median of repeats
+        else:
+            if designed_contexts is None:  # span what the observational rounds saw
+                low, high = int(df["ctx_len"].min()), int(df["ctx_len"].max())
+                designed_contexts = sorted({int(x) for x in np.linspace(low, high, 3).round()})
+            contexts = prompt_contexts(pair.tokenizer, prompts, designed_contexts)
+            designed = collect_designed_rounds(pair.target, pair.spec, contexts, ms,
+                                               designed_repeats, max_levels)  # fmt: skip
+            meta["designed_contexts"] = list(designed_contexts)
+            meta["designed_repeats"] = designed_repeats
+            meta["designed_statistic"] = "cell median"
+            # The fit reads each cell's median over its repeats (the noise of one pass is
+            # reported per cell, cells.csv).
+            target_rounds = cell_medians(designed.to_pandas())
         write_table_atomic(designed, out / "designed_rounds.parquet")
-        des = designed.to_pandas()
         observational = fit_cost_model(df, {**meta, "design": "observational"})
+        # The draft line comes from the observational rounds (designed passes run no draft).
+        fit = fit_cost_model(target_rounds, meta, draft_rounds=df)
+        # How each model prices the rounds: held out for the designed one, in-sample for the
+        # observational one (its own out-of-sample figures are per m in its fit).
+        fit.model.meta["fit"]["on_observational_rounds"] = heldout_summary(fit.model, df)
+        observational.model.meta["fit"]["on_own_rounds"] = heldout_summary(observational.model, df)
         observational.model.save(out / "costmodel_observational.json")
-        # The fit reads each cell's median over its repeats (the noise of one pass is
-        # reported per cell, cells.csv); the draft line comes from the observational rounds.
-        fit = fit_cost_model(cell_medians(des), {**meta, "designed_repeats": designed_repeats,
-                                                 "designed_statistic": "cell median"},
-                             draft_rounds=df)  # fmt: skip
         comparison = compare_designs(fit, observational, df)
         comparison.to_csv(out / "design_comparison.csv", index=False)
-        cells = cell_dispersion(des)
+        cells = cell_dispersion(designed.to_pandas())
         cells.to_csv(out / "cells.csv", index=False)
+        summary = {
+            "designed_on_observational_rounds": fit.model.meta["fit"]["on_observational_rounds"],
+            "observational_on_own_rounds": observational.model.meta["fit"]["on_own_rounds"],
+        }
+        (out / "design_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         result_extra = {"observational": observational, "comparison": comparison,
-                        "cells": cells}  # fmt: skip
-    else:
-        fit = fit_cost_model(df, meta)
-        result_extra = {}
+                        "cells": cells, "summary": summary}  # fmt: skip
     fit.model.save(out / "costmodel.json")
     per_k = run_query("calibration_per_k", rounds=rounds_path)
     per_k.to_csv(out / "per_k.csv", index=False)

@@ -173,6 +173,7 @@ def fit_cost_model(
             "oos_r2": num(r.oos_r2),
             "oos_rmse_ms": num(r.oos_rmse),
             "oos_mape_pct": num(r.oos_mape),
+            "beta0_se": num(r.beta0_se),
             "alpha_se": num(r.alpha_se),
             "alpha_p": num(r.alpha_p),
         }

@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from pipeline.cost.designed import beta0_monotone
+from pipeline.cost.design_stats import beta0_monotone
 from pipeline.cost.fit import CostFit
 
 
@@ -72,9 +72,11 @@ def format_report(fit: CostFit, per_k: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def format_design_comparison(comparison: pd.DataFrame, cells: pd.DataFrame | None) -> str:
+def format_design_comparison(
+    comparison: pd.DataFrame, cells: pd.DataFrame | None, summary: dict | None = None
+) -> str:
     """Both designs per m, beside the designed model's error on the observational rounds,
-    and the timing noise left per (m, U) cell."""
+    overall (``summary``: design_summary.json) and the timing noise left per (m, U) cell."""
     lines = [
         "designs side by side (forced: routing set, every U; observational: the router's own):",
         "   m | forced: beta0 +- SE   alpha +- SE   R2  OOS R2 | observational: beta0 +- SE   "
@@ -96,6 +98,15 @@ def format_design_comparison(comparison: pd.DataFrame, cells: pd.DataFrame | Non
     problems = beta0_monotone(forced[["m", "beta0", "beta0_se", "alpha_se"]])
     lines.append("forced beta0(m) monotone within 95% intervals (m with a slope): "
                  + ("yes" if not problems else "no: " + "; ".join(problems)))  # fmt: skip
+    labels = {
+        "designed_on_observational_rounds": "forced model on the rounds (held out)",
+        "observational_on_own_rounds": "observational model on its own rounds",
+    }
+    for key, label in labels.items() if summary else ():
+        e = summary[key]
+        lines.append(f"{label}: bias {e['bias_pct']:+.2f}%, MAPE {e['mape_pct']:.2f}% per round "
+                     f"(MedAPE {e['medape_pct']:.2f}%), {e['generation_total_mape_pct']:.2f}% on "
+                     f"the total of each of {e['generations']} generations")  # fmt: skip
     if cells is not None and len(cells):
         rel = cells["rel_mad_pct"]
         lines.append(f"noise left per (m, U) cell (robust SD / median): median "

@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -48,6 +50,14 @@ class LookProposer(Policy):
         return cands
 
 
+class StepObserver(Protocol):
+    """Runs at the live state between rounds (designed calibration's in-situ passes)."""
+
+    def warm_up(self, session) -> None: ...
+
+    def after_step(self, session, gen_id: str, category: str) -> None: ...
+
+
 def _policy(k: int, look: bool) -> Policy:
     if look:
         return LookProposer(k)
@@ -62,6 +72,7 @@ def _generation_rounds(
     eos: int | None,
     repeats: int = 1,
     look: bool = False,
+    observe: Callable[[object], None] | None = None,
 ) -> list[dict]:
     """One greedy generation with a fixed chain of k (k = 0: plain steps), or of look rounds
     (``look``: k tokens and k + 1 forwards), a row per round."""
@@ -88,6 +99,8 @@ def _generation_rounds(
                 "round": len(rows),
             }
         )
+        if observe is not None:
+            observe(session)
         if eos is not None and eos in new:
             break
     return rows
@@ -103,9 +116,11 @@ def collect_rounds(
     repeats: int = 1,
     log: Callable[[str], None] = print,
     look_ks: Iterable[int] = (),
+    observer: StepObserver | None = None,
 ) -> pa.Table:
     """``repeats`` > 1 times every pass that many times and records the median; ``look_ks``
-    (a subset of ``ks``) adds a generation of look rounds per prompt for each of its K."""
+    (a subset of ``ks``) adds a generation of look rounds per prompt for each of its K;
+    ``observer`` runs after every round (and once in the warm-up) at the session's state."""
     look_ks = sorted(set(look_ks))
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
@@ -121,12 +136,19 @@ def collect_rounds(
     engine = SpeculativeEngine(pair)
     for k, look in kinds:  # warm-up: allocator, kernels, caches; discarded
         _generation_rounds(engine, encoded[0], k, warmup_tokens, eos, look=look)
+    if observer is not None:
+        session = engine.start(encoded[0], _policy(0, False))
+        session.step()
+        observer.warm_up(session)
     rows: list[dict] = []
     started = time.perf_counter()
     for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
         for k, look in kinds:
             gen_id = f"{prompt.prompt_id}|K{k}" + ("+look" if look else "")
-            for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats, look):
+            observe = observer and partial(observer.after_step, gen_id=gen_id,
+                                           category=prompt.category)  # fmt: skip
+            for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats, look,
+                                          observe):  # fmt: skip
                 rows.append({"gen_id": gen_id, "category": prompt.category, **row})
         elapsed = time.perf_counter() - started
         eta = elapsed / n * (len(prompts) - n)

@@ -21,7 +21,7 @@ from pipeline.decode.stream import GenerationStream
 from pipeline.decode.types import Candidates, Generation, SamplingConfig, StepOutcome, StepRecord
 from pipeline.models.kvcache import crop_to, keep_positions
 from pipeline.models.loading import ModelPair
-from pipeline.models.routing import RoutingCapture
+from pipeline.models.routing import verification_forward
 from pipeline.models.timing import timed
 from pipeline.models.treemask import tree_attention_inputs
 
@@ -113,9 +113,7 @@ class DecodeSession:
             kwargs = {"attention_mask": mask, "position_ids": positions}
 
         def run():
-            with RoutingCapture(pair.target, pair.spec) as capture:
-                out = pair.target(ids, past_key_values=self.target_cache, use_cache=True, **kwargs)
-                return out.logits[0], capture.take(1, ids.shape[1])[0]
+            return verification_forward(pair.target, pair.spec, ids, self.target_cache, **kwargs)
 
         (logits, routing), t_verify = self._timed_repeats(
             run, lambda: crop_to(self.target_cache, base)

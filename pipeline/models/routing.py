@@ -81,3 +81,14 @@ def unique_experts_per_layer(routing: torch.Tensor, num_experts: int) -> torch.T
     layer_ids = torch.arange(layers, device=routing.device).view(1, layers, 1).expand_as(routing)
     hit[layer_ids.reshape(-1), routing.reshape(-1).long()] = True
     return hit.sum(dim=1)
+
+
+def verification_forward(
+    model: nn.Module, spec: MoESpec, ids: torch.Tensor, cache, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verification pass as the engine times it: the forward on the cache with the routing
+    captured; (logits [seq, vocab], routing [seq, layers, top_k]). Designed calibration times
+    this same call, so the cost model prices the hooks and bookkeeping decoding pays."""
+    with RoutingCapture(model, spec) as capture:
+        out = model(ids, past_key_values=cache, use_cache=True, **kwargs)
+        return out.logits[0], capture.take(1, ids.shape[1])[0]

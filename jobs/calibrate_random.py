@@ -1,0 +1,259 @@
+"""Calibrate the verification cost of a real-shape MoE target with random weights.
+
+Builds the model of a layout (default Qwen3-30B-A3B: 48 layers x 128 experts, top-8, about
+30.5e9 parameters) or of a local config.json straight on the device with random weights, so no
+checkpoint is downloaded. It then times designed verification passes: the routing is forced to
+every union size U (unique experts per MoE layer) at every m (positions per pass), at random
+contexts of each length, shuffled. The fit is T_T = beta0(m) + alpha(m) U + c L on the cells'
+medians (clustered SEs, GroupKFold out-of-sample R2 / MAPE). Forced routing makes the cost
+the model's own whatever its weights are.
+
+Writes designed_rounds.parquet, cells.csv, fit_per_m.csv and target_fit.json under --out, and
+compares alpha(m) with the paper's A100 figures (about 0.08 ms/expert for m <= 4, 0.27 for
+m >= 5). Only the full layout in bfloat16 on a GPU is comparable with them. Logged to MLflow
+(experiment calibrate_random).
+
+The full layout needs about 61 GB of GPU memory in bfloat16:
+
+    python -m jobs.calibrate_random --layout qwen3-30b-a3b --device cuda --dtype bfloat16 \\
+        --experts-implementation grouped_mm --ms 1-13 --contexts 128,512,1024 --repeats 5 \\
+        --out out/calibrate_random
+
+A CPU run must scale the layout down (the job refuses a model that does not fit in memory):
+
+    python -m jobs.calibrate_random --device cpu --threads 1 --layers 2 --experts 16 \\
+        --hidden 256 --heads 4 --kv-heads 2 --head-dim 64 --moe-intermediate 128 \\
+        --intermediate 512 --vocab 4096 --ms 1-6 --contexts 64,256 --per-length 3 --repeats 3 \\
+        --out out/calibrate_random_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from jobs.cli import parse_ks, parser, run
+from pipeline.cost.random_target import RandomCalibration, run_random_calibration
+from pipeline.models.adapters import adapter_for
+from pipeline.models.loading import EXPERTS_IMPLEMENTATIONS
+from pipeline.models.random_moe import LAYOUTS, layout_config
+from pipeline.tracking import tracked_run, tracking_uri
+
+# Scale-down flags -> config fields; None: the family's own key (adapters.FamilyAdapter).
+SCALE_FLAGS: dict[str, str | None] = {
+    "layers": "num_hidden_layers",
+    "experts": None,
+    "top_k": None,
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "moe_intermediate": "moe_intermediate_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "vocab": "vocab_size",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("jobs.calibrate_random", __doc__)
+    p.add_argument("--layout", default="qwen3-30b-a3b", choices=sorted(LAYOUTS),
+                   help="named model layout (qwen3-30b-a3b)")  # fmt: skip
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a local config.json (or a directory with one) instead of --layout",
+    )
+    scale = p.add_argument_group("scale-down overrides (config fields; needed on a CPU)")
+    for flag, field in SCALE_FLAGS.items():
+        what = field or ("routed experts per MoE layer" if flag == "experts"
+                         else "experts per token (top-k)")  # fmt: skip
+        scale.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=what)
+    scale.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any other config field (VALUE read as JSON), repeatable",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 ...",
+    )
+    p.add_argument(
+        "--experts-implementation",
+        default="eager",
+        choices=EXPERTS_IMPLEMENTATIONS,
+        help="MoE experts kernel (eager: one expert at a time, cost tracks unique "
+        "experts; grouped_mm: one grouped GEMM, what a GPU serves with)",
+    )
+    p.add_argument(
+        "--ms",
+        type=parse_ks,
+        default=parse_ks("1-13"),
+        help="positions per verification pass m (1-13: K = 0..12)",
+    )
+    p.add_argument(
+        "--contexts",
+        default="128,512,1024",
+        help="context lengths in tokens, comma-separated (128,512,1024)",
+    )
+    p.add_argument("--per-length", type=int, default=2, help="random contexts at each length (2)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed passes per (context, m, U) cell, shuffled (5)"
+    )
+    p.add_argument(
+        "--max-levels",
+        type=int,
+        default=8,
+        help="U levels per m, evenly spaced over the feasible range (8)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the timings (default: torch's own); recorded",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights, contexts, designs, order (0)")
+    p.add_argument("--out", type=Path, default=Path("out/calibrate_random"))
+    args = p.parse_args(argv)
+    if args.ms[0] < 1:
+        p.error("--ms must be >= 1 (positions per pass)")
+    try:
+        args.contexts = sorted({int(x) for x in args.contexts.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--contexts: {args.contexts!r} is not comma-separated integers")
+    if not args.contexts or args.contexts[0] < 2:
+        p.error("--contexts must be lengths >= 2 tokens")
+    if args.per_length < 1 or args.repeats < 1:
+        p.error("--per-length and --repeats must be >= 1")
+    if args.max_levels < 2:
+        p.error("--max-levels must be >= 2 (U must vary to identify alpha)")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    for flag in SCALE_FLAGS:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    args.overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            p.error(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            args.overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            args.overrides[key.strip()] = value  # a bare string
+    if len(args.contexts) * args.per_length * len(args.ms) < 2:
+        p.error("the fit needs >= 2 (context, m) groups: more --contexts, --per-length or --ms")
+    return args
+
+
+def build_config(args: argparse.Namespace):
+    """The layout (or --config) with the scale-down flags applied under the family's names."""
+    source = args.config if args.config is not None else args.layout
+    adapter = adapter_for(layout_config(source))
+    overrides = dict(args.overrides)
+    for flag, field in SCALE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            key = field or (adapter.num_experts_key if flag == "experts" else adapter.top_k_key)
+            overrides[key] = value
+    return layout_config(source, **overrides), overrides
+
+
+def _pm(value: float, se: float, spec: str) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    if se is None or math.isnan(se):
+        return f"{value:{spec}}"
+    return f"{value:{spec}} +- {1.96 * se:{spec}}"
+
+
+def format_report(result: RandomCalibration) -> str:
+    meta = result.meta
+    lines = [
+        f"{meta['layout']}: {meta['parameters']:,} parameters (random weights), "
+        f"{meta['moe_layers']} MoE layers x {meta['num_experts']} experts, top-{meta['top_k']}; "
+        f"{meta['device']} ({meta['device_name']}), {meta['dtype']}, "
+        f"experts={meta['experts_implementation']}, torch threads {meta['torch_threads']}; "
+        f"{meta['passes']:,} timed passes",
+        "",
+        f"T_T = beta0(m) + alpha(m) U + c L,  c = {result.coef['c'] * 1000:.4f} "
+        f"+- {1.96 * result.coef['c_se'] * 1000:.4f} ms per 1000 tokens (95% CI, clustered)",
+        "   m     n   beta0 ms (95% CI)     alpha ms/expert (95% CI)     R2  OOS R2  OOS MAPE"
+        "   paper alpha  ratio",
+    ]
+    paper = result.paper.set_index("m")
+    for r in result.per_m.itertuples():
+        ref = paper.loc[r.m]
+        alpha = _pm(r.alpha, r.alpha_se, ".4f") if not math.isnan(r.alpha_se) else "(fixed 0)"
+        ratio = "-" if math.isnan(ref.ratio) else f"{ref.ratio:.2f}x"
+        lines.append(
+            f"{r.m:>4} {r.n:>5}  {_pm(r.beta0, r.beta0_se, '.3f'):>20}  {alpha:>26}  "
+            f"{r.r2:>6.3f} {r.oos_r2:>7.3f} {r.oos_mape:>8.2f}%  {ref.paper_alpha:>11.2f}  "
+            f"{ratio:>6}"
+        )
+    lines.append("")
+    if result.differences:
+        lines.append("paper (Qwen3-30B-A3B, bf16, A100): NOT like with like -- "
+                     + "; ".join(result.differences))  # fmt: skip
+    else:
+        lines.append("paper (Qwen3-30B-A3B, bf16, A100): same layout and dtype on a GPU")
+    cells = result.cells
+    lines.append(
+        f"noise left per (m, U) cell: median relative MAD "
+        f"{cells['rel_mad_pct'].median():.2f}% (max {cells['rel_mad_pct'].max():.2f}%)"
+    )
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+def fit_metrics(result: RandomCalibration) -> dict[str, float]:
+    metrics: dict[str, float] = {"c": result.coef["c"], "c_se": result.coef["c_se"],
+                                 "parameters": result.meta["parameters"],
+                                 "passes": result.meta["passes"]}  # fmt: skip
+    for r in result.per_m.itertuples():
+        for name in ("beta0", "beta0_se", "alpha", "alpha_se", "r2", "oos_r2", "oos_mape"):
+            metrics[f"{name}_m{r.m}"] = getattr(r, name)
+    for r in result.paper.itertuples():
+        metrics[f"alpha_ratio_to_paper_m{r.m}"] = r.ratio
+    return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(v)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config, overrides = build_config(args)
+    layout = str(args.config) if args.config is not None else args.layout
+    if overrides:
+        layout += " (scaled: " + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
+    result = run_random_calibration(
+        config, args.device, args.dtype, args.experts_implementation, args.ms, args.contexts,
+        args.per_length, args.repeats, args.max_levels, args.out, args.seed,
+        log=lambda line: print(line, flush=True), layout=layout,
+    )  # fmt: skip
+    params = {**{k: str(v) for k, v in vars(args).items() if k not in ("set", "overrides")},
+              "overrides": overrides, **result.meta}  # fmt: skip
+    with tracked_run("calibrate_random", params=params) as tracked:
+        tracked.log_metrics(fit_metrics(result))
+        for path in result.paths:
+            tracked.log_artifact(str(path))
+        run_id = tracked.run_id
+
+    print()
+    print(format_report(result))
+    print(f"\nwrote {', '.join(p.name for p in result.paths)} under {args.out}; MLflow run "
+          f"{run_id} at {tracking_uri()}")  # fmt: skip
+    return {"result": result, "out": str(args.out), "run_id": run_id}
+
+
+if __name__ == "__main__":
+    run(main)
