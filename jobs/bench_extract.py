@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from jobs.cli import add_model_args, parser, run
+from jobs.cli import SOURCE_HELP, add_model_args, parser, run
 from pipeline.bench.tail_modes import compare_tail_modes, format_comparison
-from pipeline.data.prompts import load_prompts
+from pipeline.data.domains import load_prompts
 from pipeline.data.references import build_references
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run
@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=8, help="sequences (8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")

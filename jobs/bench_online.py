@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import add_model_args, parser, run
+from jobs.cli import SOURCE_HELP, add_model_args, parser, run
 from pipeline.bench.online import BenchRow, run_online_bench
 from pipeline.bench.scoring import format_online_bench
-from pipeline.data.prompts import encode, load_prompts
+from pipeline.data.domains import load_prompts
+from pipeline.data.prompts import encode
 from pipeline.decode.policies.artifacts import (
     DEFAULT_COSTMODEL,
     DEFAULT_POLICY,
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)

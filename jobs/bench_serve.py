@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from jobs.cli import add_model_args, parser, ray_session, run
-from pipeline.data.prompts import load_prompts
+from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
+from pipeline.data.domains import load_prompts
 from pipeline.tracking import tracked_run
 from serving.bench import ServeBenchSettings, format_serve_bench, run_serve_bench
 
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=16, help="number of prompts")
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request")

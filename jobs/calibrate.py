@@ -4,14 +4,18 @@ Runs greedy speculative decoding with a fixed chain of K draft tokens for every 
 (K = 0: plain one-token steps, the m = 1 rounds the autoregressive baseline needs) and, for
 every K in --look-ks, look rounds (K tokens, then one more draft distribution looked at
 before stopping, as policies that decide from the next distribution do: K + 1 draft forwards)
-over a prompt set, writes the `rounds` table, fits T_T = beta0(m) + alpha(m) U + c L
-(clustered by generation, GroupKFold(5) out-of-sample metrics), the pooled linear-K model, the
-draft line T_D = a n + b over n draft forwards and factor importance, and writes costmodel.json
-(with the device, dtype, experts implementation and checkpoint fingerprints it was measured
-on, which every user of it checks), per-K summaries (DuckDB, sql/calibration_per_k.sql) and
+over a prompt set, and writes the `rounds` table. The target's cost
+T_T = beta0(m) + alpha(m) U + c L is fitted (clustered by generation, GroupKFold(5)
+out-of-sample metrics) on designed passes (--design forced, the default: after every round, a
+pass with the routing set to the next (m, U) cell of a design spanning every union size U at
+every m, timed at that round's state) and scored on the rounds beside an observational fit of
+them. Also fitted on the rounds: the draft line T_D = a n + b over n draft forwards, the pooled
+linear-K model and factor importance. Writes costmodel.json (with the device, dtype, experts
+implementation and checkpoint fingerprints it was measured on, which every user of it
+checks), per-K summaries (DuckDB, sql/calibration_per_k.sql) and
 plots. Everything is logged to MLflow.
 
-    python -m jobs.calibrate --limit 8 --ks 0-8 --out out/calibration
+    python -m jobs.calibrate --limit 8 --ks 0-12 --threads 1 --designed-per-round 2 --out out/cal
     ray job submit --working-dir . -- python -m jobs.calibrate --out /abs/path/calibration
 """
 
@@ -20,12 +24,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from jobs.cli import add_model_args, parse_ks, parser, run
+from jobs.cli import SOURCE_HELP, add_model_args, parse_ks, parser, run, torch_threads
 from pipeline.cost.calibration import DESIGNS, run_calibration
 from pipeline.cost.report import fit_metrics, format_design_comparison, format_report
-from pipeline.data.prompts import load_prompts
+from pipeline.data.domains import load_prompts
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run, tracking_uri
 
@@ -36,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=8, help="prompts (8)")
     p.add_argument("--ks", type=parse_ks, default=parse_ks("0-10"), help="budgets K (0-10)")
@@ -104,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--designed-repeats and --designed-per-round must be >= 1, --max-levels >= 2")
     if args.designed_ms is not None and min(args.designed_ms) < 1:
         p.error("--designed-ms must be >= 1")
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be >= 1")
     contexts = args.designed_contexts.strip().lower()
     if contexts == "auto":
         args.designed_contexts = None
@@ -123,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--limit must be >= 2 (the fit clusters and cross-validates by generation)")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    missing = sorted({k + 1 for k in args.ks} - set(args.designed_ms or ()))
+    if args.designed_ms is not None and args.design != "observational" and missing:
+        # The designed model must price every round it is tested on (and the oracle, every m).
+        p.error(f"--designed-ms {args.designed_ms} must include K + 1 for every K of --ks: "
+                f"add {missing}")  # fmt: skip
     if args.look_ks is None:
         args.look_ks = args.ks[::2]
     elif args.look_ks.strip().lower() == "none":
@@ -139,13 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.threads:  # for the timings only: a caller (jobs.study) gets its own back
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _calibrate(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _calibrate(args: argparse.Namespace) -> dict:

@@ -9,6 +9,11 @@ from contextlib import contextmanager
 
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
 
+# --source of every job that reads prompts (pipeline.data.domains.load_prompts).
+SOURCE_HELP = ("'humaneval', a domain of the benchmark's prompt sets ('code', 'prose', 'math', "
+               "or 'domains' for all three, the limit split evenly) or a Spec-Bench / MT-bench "
+               "JSONL file (prompt: each record's first turn)")  # fmt: skip
+
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
@@ -87,3 +92,18 @@ def parse_ks(text: str) -> list[int]:
     if not ks or min(ks) < 0:
         raise argparse.ArgumentTypeError(f"budgets must be a non-empty set of K >= 0: {text!r}")
     return sorted(ks)
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """The block on ``threads`` torch threads (None: as they are), the count restored after:
+    a job's timing setting must not leak into an in-process caller (jobs.study)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

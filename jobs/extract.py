@@ -27,8 +27,8 @@ import argparse
 import math
 from pathlib import Path
 
-from jobs.cli import add_model_args, parser, ray_session, run
-from pipeline.data.prompts import load_prompts
+from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
+from pipeline.data.domains import load_prompts
 from pipeline.extract.junk_tails import ACCEPTANCES, TAIL_MODES, draws_per_acceptance
 from pipeline.extract.ray_pipeline import ExtractConfig, run_extraction
 from pipeline.tracking import tracked_run, tracking_uri
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--out", type=Path, default=Path("out/extract"), help="output directory")

@@ -17,8 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from jobs.cli import add_model_args, parser, run
-from pipeline.data.prompts import load_prompts
+from jobs.cli import SOURCE_HELP, add_model_args, parser, run
+from pipeline.data.domains import load_prompts
 from pipeline.data.references import build_references
 from pipeline.extract.routing_profile import profile_references
 from pipeline.models.loading import load_pair
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=24, help="number of prompts (default 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="reference length budget")

@@ -22,7 +22,7 @@ from pathlib import Path
 from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
-from jobs.cli import add_model_args, ray_session, run
+from jobs.cli import SOURCE_HELP, add_model_args, ray_session, run
 from pipeline.cost.calibration import DESIGNS
 from pipeline.extract.routing_profile import extraction_profile
 from pipeline.models.adapters import moe_spec
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--source",
         default="humaneval",
-        help="'humaneval' or a Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)",
+        help=SOURCE_HELP,
     )
     p.add_argument("--limit", type=int, default=16, help="reference sequences (16)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")

@@ -163,3 +163,15 @@ def test_job_arguments_are_checked(args, message, capsys):
     with pytest.raises(SystemExit):
         calibrate_random.parse_args(args.split())
     assert message in capsys.readouterr().err
+
+
+def test_only_the_full_layout_in_bf16_with_grouped_mm_on_an_a100_is_the_papers_setting():
+    from pipeline.cost.random_target import differences_from_paper
+
+    full = random_moe.layout_config("qwen3-30b-a3b")
+    a100 = (torch.device("cuda"), torch.bfloat16, "NVIDIA A100-SXM4-80GB")
+    assert differences_from_paper(full, *a100, "grouped_mm") == []
+    (kernel,) = differences_from_paper(full, *a100, "eager")
+    assert "experts kernel eager" in kernel
+    assert len(differences_from_paper(full, torch.device("cpu"), torch.float32, "x86_64",
+                                      "eager")) == 3  # fmt: skip

@@ -257,3 +257,32 @@ def test_the_committed_cost_model_comes_from_the_designed_calibration():
     assert beta0_monotone(per_m) == []
     held = data["fit"]["on_observational_rounds"]
     assert abs(held["bias_pct"]) < 3 and held["rounds"] > 1000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("--ks 0-3 --designed-ms 1-3", "must include K + 1 for every K of --ks: add [4]"),
+        ("--repeats 0", "--repeats must be >= 1"),
+        ("--designed-per-round 0", "--designed-per-round must be >= 1"),
+        ("--threads 0", "--threads must be >= 1"),
+    ],
+)
+def test_calibrate_refuses_flags_that_would_fail_after_the_timing(argv, message, capsys):
+    from jobs.calibrate import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv.split())
+    assert message in capsys.readouterr().err
+
+
+def test_a_jobs_torch_threads_do_not_leak_into_its_caller():
+    from jobs.cli import torch_threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError), torch_threads(1):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("the job failed")
+    assert torch.get_num_threads() == before
+    with torch_threads(None):  # unset: left as it is
+        assert torch.get_num_threads() == before

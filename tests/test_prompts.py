@@ -7,13 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.prompts import (
-    Prompt,
-    PromptSourceError,
-    load_humaneval,
-    load_jsonl,
-    load_prompts,
-)
+from pipeline.data.domains import load_prompts
+from pipeline.data.prompts import Prompt, PromptSourceError, load_humaneval, load_jsonl
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = FIXTURES / "mtbench_small.jsonl"

@@ -22,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from pipeline.data.prompts import load_prompts
+from pipeline.data.domains import load_prompts
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.types import SamplingConfig

@@ -118,9 +118,11 @@ def run_calibration(
     if design == "observational":
         fit = fit_cost_model(df, meta)
     else:
+        # What only the designed fit was measured with; the observational file keeps ``meta``.
+        designed_meta = dict(meta)
         if insitu is not None:
             designed = insitu.table()
-            meta["designed_per_round"] = designed_per_round
+            designed_meta["designed_per_round"] = designed_per_round
             target_rounds = designed.to_pandas()  # each pass already a median of repeats
         else:
             if designed_contexts is None:  # span what the observational rounds saw
@@ -129,16 +131,16 @@ def run_calibration(
             contexts = prompt_contexts(pair.tokenizer, prompts, designed_contexts)
             designed = collect_designed_rounds(pair.target, pair.spec, contexts, ms,
                                                designed_repeats, max_levels)  # fmt: skip
-            meta["designed_contexts"] = list(designed_contexts)
-            meta["designed_repeats"] = designed_repeats
-            meta["designed_statistic"] = "cell median"
+            designed_meta["designed_contexts"] = list(designed_contexts)
+            designed_meta["designed_repeats"] = designed_repeats
+            designed_meta["designed_statistic"] = "cell median"
             # The fit reads each cell's median over its repeats (the noise of one pass is
             # reported per cell, cells.csv).
             target_rounds = cell_medians(designed.to_pandas())
         write_table_atomic(designed, out / "designed_rounds.parquet")
         observational = fit_cost_model(df, {**meta, "design": "observational"})
         # The draft line comes from the observational rounds (designed passes run no draft).
-        fit = fit_cost_model(target_rounds, meta, draft_rounds=df)
+        fit = fit_cost_model(target_rounds, designed_meta, draft_rounds=df)
         # How each model prices the rounds: held out for the designed one, in-sample for the
         # observational one (its own out-of-sample figures are per m in its fit).
         fit.model.meta["fit"]["on_observational_rounds"] = heldout_summary(fit.model, df)

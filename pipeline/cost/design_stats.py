@@ -48,7 +48,7 @@ def error_on(model: CostModel, rounds: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def heldout_summary(model: CostModel, rounds: pd.DataFrame) -> dict[str, float]:
+def heldout_summary(model: CostModel, rounds: pd.DataFrame) -> dict[str, float | int]:
     """How ``model`` prices rounds it was not fitted on, overall: the mean signed error (bias)
     and MAPE per round, and the MAPE of each generation's total target time (what a bound or
     a policy adds up; per-round timer noise mostly cancels in it). Percentages."""

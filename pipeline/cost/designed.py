@@ -22,8 +22,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from pipeline.data.schemas import ROUNDS_SCHEMA
+from pipeline.decode.engine import DecodeSession
 from pipeline.models.adapters import MoESpec
 from pipeline.models.forced_routing import ForcedRouting, design_plan, feasible_unions
 from pipeline.models.kvcache import crop_to
@@ -70,7 +72,8 @@ class InSituDesign:
             self._next = [self.cells[i] for i in self._order.permutation(len(self.cells))]
         return self._next.pop()
 
-    def _passes(self, session, cells: list[tuple[int, int]]) -> list[tuple[int, int, float]]:
+    def _passes(self, session: DecodeSession,
+                cells: list[tuple[int, int]]) -> list[tuple[int, int, float]]:  # fmt: skip
         model = session.pair.target
         vocab = int(model.config.vocab_size)
         base = len(session.committed) - 1
@@ -83,11 +86,11 @@ class InSituDesign:
                 out.append((m, u, t_ms))
         return out
 
-    def warm_up(self, session) -> None:
+    def warm_up(self, session: DecodeSession) -> None:
         """Every cell once at this state, discarded: allocator, kernels, every shape."""
         self._passes(session, self.cells)
 
-    def after_step(self, session, gen_id: str, category: str) -> None:
+    def after_step(self, session: DecodeSession, gen_id: str, category: str) -> None:
         max_pos = getattr(session.pair.target.config, "max_position_embeddings", 0) or 0
         ctx_len = len(session.committed)
         for m, u, t_ms in self._passes(session, [self._cell() for _ in range(self.per_round)]):
@@ -110,7 +113,8 @@ def designed_row(gen_id: str, category: str, m: int, u: int, ctx_len: int, t_ms:
     }  # fmt: skip
 
 
-def designed_pass(model: nn.Module, spec: MoESpec, forced: ForcedRouting, cache, base: int,
+def designed_pass(model: nn.Module, spec: MoESpec, forced: ForcedRouting, cache: DynamicCache,
+                  base: int,
                   last: int, m: int, u: int, gen: torch.Generator, vocab: int,
                   repeats: int = 1) -> float:  # fmt: skip
     """One verification pass (the last committed token and m - 1 random ones) with the
@@ -118,8 +122,9 @@ def designed_pass(model: nn.Module, spec: MoESpec, forced: ForcedRouting, cache,
     (pipeline.models.routing.verification_forward, routing capture included); its time in ms
     (the median of ``repeats`` back-to-back runs), the cache rolled back after each."""
     tokens = [last, *torch.randint(vocab, (m - 1,), generator=gen).tolist()]
-    forced.set(design_plan(m, u, spec, gen))
     device = next(model.parameters()).device
+    # On the device before the clock starts: decoding pays no host-to-device copy per layer.
+    forced.set(design_plan(m, u, spec, gen).to(device))
     batch = torch.tensor([tokens], device=device)
     times = []
     for _ in range(repeats):

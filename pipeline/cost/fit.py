@@ -139,7 +139,8 @@ def fit_cost_model(
     draft_rounds: pd.DataFrame | None = None,
 ) -> CostFit:
     """All fits; the returned CostModel carries the per-m coefficients and the draft line.
-    ``draft_rounds``: fit the draft line on these instead (designed rounds run no draft)."""
+    ``draft_rounds``: speculative rounds for the draft line, the pooled model and factor
+    importance, when ``rounds`` are designed passes (no draft, no acceptance)."""
     required = {"gen_id", "k", "m", "t_target_ms", "t_draft_ms", "u_bar", "ctx_len"}
     missing = required - set(rounds.columns)
     if missing:
@@ -156,16 +157,19 @@ def fit_cost_model(
     if dropped:
         notes.append(f"{dropped} of {len(rounds)} rounds dropped as timing interference "
                      "(> 8 robust SD above the median of their m or draft forwards)")  # fmt: skip
-    spec_rounds = df[df["k"] > 0]
+    observed = df
+    if draft_rounds is not None:
+        observed = draft_rounds.reset_index(drop=True)
+        if "draft_forwards" not in observed.columns:
+            observed = observed.assign(draft_forwards=observed["k"])
+        observed = drop_interference(observed)[0]
+    # The pooled linear-K model, the draft line and factor importance describe speculative
+    # rounds (accepted counts, round index): the observational ones when designed passes
+    # fit the target.
+    spec_rounds = observed[observed["k"] > 0]
     pooled = fit_linear(spec_rounds, "t_target_ms", ["u_bar", "ctx_len", "k"])
-    if draft_rounds is None:
-        draft = fit_draft(df)
-    else:
-        draft_df = draft_rounds.reset_index(drop=True)
-        if "draft_forwards" not in draft_df.columns:
-            draft_df = draft_df.assign(draft_forwards=draft_df["k"])
-        draft = fit_draft(drop_interference(draft_df)[0])
-    factors = factor_importance(spec_rounds if len(spec_rounds) else df)
+    draft = fit_draft(observed)
+    factors = factor_importance(spec_rounds if len(spec_rounds) else observed)
     fit_quality = {
         str(int(r.m)): {
             "n": int(r.n),

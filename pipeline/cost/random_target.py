@@ -3,8 +3,8 @@ cost T_T = beta0(m) + alpha(m) U + c L on a layout (e.g. Qwen3-30B-A3B) without 
 
 The model is built from its config straight on the device (pipeline.models.random_moe), the
 routing is forced to every union size U at every m (pipeline.cost.designed) at contexts of
-random tokens, and the per-m fit is run on the cells' medians, as pipeline.cost.calibration
-does for the forced design. Only the target runs: there is no draft line here.
+random tokens (pipeline.cost.designed_contexts), and the per-m fit is run on the cells' medians,
+as `jobs.calibrate --design forced-contexts` does. Only the target runs: no draft line here.
 
 Written under ``out``: designed_rounds.parquet (a row per timed pass, ROUNDS_SCHEMA), cells.csv
 (per (m, U) cell: passes, median, MAD), fit_per_m.csv and target_fit.json (coefficients with
@@ -66,8 +66,8 @@ class RandomCalibration:
         return [self.out / name for name in ARTIFACTS]
 
 
-def differences_from_paper(config: PretrainedConfig, device: torch.device,
-                           dtype: torch.dtype, device_name: str) -> list[str]:  # fmt: skip
+def differences_from_paper(config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
+                           device_name: str, experts_implementation: str) -> list[str]:  # fmt: skip
     """What separates this measurement from the paper's (empty: like with like, up to the
     GPU model)."""
     out = []
@@ -82,6 +82,8 @@ def differences_from_paper(config: PretrainedConfig, device: torch.device,
         out.append(f"GPU {device_name}, the paper's is an A100")
     if dtype != torch.bfloat16:
         out.append(f"dtype {str(dtype).removeprefix('torch.')}, the paper's is bfloat16")
+    if experts_implementation != "grouped_mm":  # eager on a GPU prices kernel launches
+        out.append(f"experts kernel {experts_implementation}, a GPU serves MoE with grouped_mm")
     return out
 
 
@@ -154,7 +156,7 @@ def run_random_calibration(
     rounds = table.to_pandas()
     cells = cell_dispersion(rounds)
     cells.to_csv(out / "cells.csv", index=False)
-    # As the forced design of jobs.calibrate: each cell's median over its repeats, timer
+    # As jobs.calibrate's forced-contexts design: each cell's median over its repeats, timer
     # bursts dropped, clustered by context|m.
     df, dropped = drop_interference(cell_medians(rounds))
     n_splits(df["gen_id"])
@@ -165,7 +167,7 @@ def run_random_calibration(
     notes += [f"beta0 not monotone in m: {p}" for p in beta0_monotone(per_m)]
     per_m.to_csv(out / "fit_per_m.csv", index=False)
     paper = paper_comparison(per_m)
-    differences = differences_from_paper(config, dev, dt, name)
+    differences = differences_from_paper(config, dev, dt, name, experts_implementation)
     meta = {
         "layout": layout or config.model_type,
         "model_type": config.model_type,

@@ -25,7 +25,7 @@ import pyarrow as pa
 from pipeline.data.prompts import Prompt, encode
 from pipeline.data.schemas import ROUNDS_SCHEMA
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.engine import DecodeSession, SpeculativeEngine
 from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.simple import AutoregressivePolicy, FixedPolicy
 from pipeline.decode.types import Candidates
@@ -53,9 +53,9 @@ class LookProposer(Policy):
 class StepObserver(Protocol):
     """Runs at the live state between rounds (designed calibration's in-situ passes)."""
 
-    def warm_up(self, session) -> None: ...
+    def warm_up(self, session: DecodeSession) -> None: ...
 
-    def after_step(self, session, gen_id: str, category: str) -> None: ...
+    def after_step(self, session: DecodeSession, gen_id: str, category: str) -> None: ...
 
 
 def _policy(k: int, look: bool) -> Policy:
@@ -72,7 +72,7 @@ def _generation_rounds(
     eos: int | None,
     repeats: int = 1,
     look: bool = False,
-    observe: Callable[[object], None] | None = None,
+    observe: Callable[[DecodeSession], None] | None = None,
 ) -> list[dict]:
     """One greedy generation with a fixed chain of k (k = 0: plain steps), or of look rounds
     (``look``: k tokens and k + 1 forwards), a row per round."""
@@ -145,8 +145,11 @@ def collect_rounds(
     for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
         for k, look in kinds:
             gen_id = f"{prompt.prompt_id}|K{k}" + ("+look" if look else "")
-            observe = observer and partial(observer.after_step, gen_id=gen_id,
-                                           category=prompt.category)  # fmt: skip
+            observe = (
+                None
+                if observer is None
+                else partial(observer.after_step, gen_id=gen_id, category=prompt.category)
+            )
             for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats, look,
                                           observe):  # fmt: skip
                 rows.append({"gen_id": gen_id, "category": prompt.category, **row})

@@ -263,15 +263,3 @@ def load_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> list[P
     if not prompts:
         raise PromptSourceError(f"prompt file {path} contains no prompts")
     return prompts if limit is None else prompts[:limit]
-
-
-def load_prompts(source: str | os.PathLike[str], limit: int | None = None) -> list[Prompt]:
-    """Load prompts from ``"humaneval"`` or from a path to a ``.jsonl`` file."""
-    if isinstance(source, str) and source.strip().lower() == HUMANEVAL_SOURCE:
-        return load_humaneval(limit)
-    if os.fspath(source).endswith(".jsonl"):
-        return load_jsonl(source, limit)
-    raise PromptSourceError(
-        f"unknown prompt source {os.fspath(source)!r}: expected 'humaneval' or a path to a "
-        "'.jsonl' file (Spec-Bench / MT-bench format)"
-    )
