@@ -10,7 +10,13 @@ T=0, the paper's surrogate from draft probabilities otherwise); "of bound" is a 
 measured speedup over that S. At T=0 the `oracle-replay` row decodes with the oracle's own
 k*(i), and its modelled cost is compared with the measured time.
 
+--domains runs the whole bench once per prompt domain (--limit prompts each) and adds a
+summary per domain and temperature, pooled over the domains too: each policy's speedup, its
+ratio over the best fixed K of that domain and temperature in the same run, its share of the
+bound and whether its greedy text equals `ar`'s.
+
     python -m jobs.bench_online --limit 8 --max-new-tokens 64
+    python -m jobs.bench_online --domains code,prose,math --limit 8 --max-new-tokens 64
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import argparse
 from pathlib import Path
 
 from jobs.cli import SOURCE_HELP, add_model_args, parser, run
+from pipeline.bench.domains import domain_metrics, domain_table, format_domain_summary
 from pipeline.bench.online import BenchRow, run_online_bench
 from pipeline.bench.scoring import format_online_bench
-from pipeline.data.domains import load_prompts
+from pipeline.data.domains import DOMAINS, load_prompts
 from pipeline.data.prompts import encode
 from pipeline.decode.policies.artifacts import (
     DEFAULT_COSTMODEL,
@@ -41,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="humaneval",
         help=SOURCE_HELP,
     )
+    p.add_argument(
+        "--domains",
+        default=None,
+        help="comma-separated prompt domains (code, prose, math; 'all' for the three), each "
+        "benched on its own with --limit prompts, then summarised per domain; replaces --source",
+    )
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
@@ -58,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.limit < 1 or args.max_new_tokens < 1 or args.lmax < 1:
         p.error("--limit, --max-new-tokens and --lmax must be >= 1")
+    if args.domains is not None:
+        names = [d.strip().lower() for d in args.domains.split(",") if d.strip()]
+        args.domains = list(DOMAINS) if names == ["all"] else names
+        unknown = [d for d in args.domains if d not in DOMAINS]
+        if unknown or not args.domains or len(set(args.domains)) < len(args.domains):
+            p.error(f"--domains {args.domains}: give distinct names among "
+                    f"{', '.join(DOMAINS)}, or 'all'")  # fmt: skip
     return args
 
 
@@ -68,17 +88,30 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
     artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")
     artifacts.check_pair(pair, allow_mismatch=args.allow_costmodel_mismatch)
-    prompts = [encode(pair.tokenizer, p.text, keep_last=512)
-               for p in load_prompts(args.source, args.limit)]  # fmt: skip
-    result = run_online_bench(
-        pair, artifacts, prompts, [float(t) for t in args.temperatures.split(",")],
-        args.max_new_tokens, args.lmax, quick=args.quick,
-        progress=lambda line: print(f"[bench_online] {line}", flush=True),
-    )  # fmt: skip
-    print(format_online_bench(result))
+    sources = {d: d for d in args.domains} if args.domains else {args.source: args.source}
+    results = {}
+    for name, source in sources.items():
+        prompts = [encode(pair.tokenizer, p.text, keep_last=512)
+                   for p in load_prompts(source, args.limit)]  # fmt: skip
+        results[name] = run_online_bench(
+            pair, artifacts, prompts, [float(t) for t in args.temperatures.split(",")],
+            args.max_new_tokens, args.lmax, quick=args.quick,
+            progress=lambda line, name=name: print(f"[bench_online] {name}: {line}", flush=True),
+        )  # fmt: skip
+        if args.domains:
+            print(f"\n=== domain {name} ===")
+        print(format_online_bench(results[name]))
+    metrics = {}
+    if args.domains:
+        table = domain_table(results)
+        print()
+        print(format_domain_summary(table))
+        metrics.update(domain_metrics(table))
+    else:
+        metrics.update(results[args.source].metrics())
     with tracked_run("bench_online", params=vars(args)) as mlrun:
-        mlrun.log_metrics(result.metrics())
-    return result.rows
+        mlrun.log_metrics(metrics)
+    return [row for result in results.values() for row in result.rows]
 
 
 if __name__ == "__main__":

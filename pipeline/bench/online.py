@@ -125,7 +125,7 @@ def bench_assisted(pair: ModelPair, prompts: list[list[int]], temperature: float
     """transformers' generate(assistant_model=draft), same prompts and token budget. Its time
     includes both prefills, measured apart (a target and a draft forward over the prompt) and
     subtracted, so it is comparable with the engine's step times."""
-    tokens, seconds = 0, 0.0
+    tokens, seconds, outputs = 0, 0.0, []
     for seed, ids in enumerate(prompts):
         torch.manual_seed(seed)
         kwargs = {"do_sample": temperature > 0}
@@ -143,8 +143,9 @@ def bench_assisted(pair: ModelPair, prompts: list[list[int]], temperature: float
         )  # fmt: skip
         seconds += max(1e-9, time.perf_counter() - started - prefill)
         tokens += out.shape[1] - len(ids)
+        outputs.append(out[0, len(ids) :].tolist())
     return BenchRow("transformers assisted", temperature, tokens, seconds, float("nan"),
-                    float("nan"), float("nan"))  # fmt: skip
+                    float("nan"), float("nan"), outputs=outputs)  # fmt: skip
 
 
 def replay_lines(pair: ModelPair, prompts: list[list[int]], cost: CostModel,

@@ -1,0 +1,85 @@
+"""The per-domain summary of the online bench: each domain's own best fixed K in the same run,
+a policy's ratio over it, pooled figures over the domains from total tokens and time, the
+modelled share of the bound, and the greedy-text check that tolerates a last step's overshoot.
+Synthetic rows (no models): what the arithmetic must give is known exactly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.bench.domains import ALL, domain_metrics, domain_table, format_domain_summary
+from pipeline.bench.online import BenchRow
+from pipeline.bench.scoring import OnlineBenchResult
+from pipeline.models.loading import REPO_ROOT
+
+
+def _row(label, seconds, outputs, policy_ms=None, bound=None, temperature=0.0):
+    return BenchRow(label=label, temperature=temperature, tokens=sum(len(o) for o in outputs),
+                    seconds=seconds, mean_accepted=1.0, mean_unique_experts=4.0,
+                    verify_share=0.5, outputs=outputs, policy_ms=policy_ms,
+                    ar_ms=None if policy_ms is None else 100.0,
+                    bound=None if bound is None else SimpleNamespace(speedup=bound))  # fmt: skip
+
+
+def _result(rows):
+    return OnlineBenchResult(rows, [], 1, 4, "cpu", 7.0, 12, None)
+
+
+TEXT = [[1, 2, 3, 4]]
+
+
+def test_ratios_over_each_domains_best_fixed_k_and_pooled():
+    code = _result([
+        _row("ar", 4.0, TEXT, 100.0, 2.0),
+        _row("fixed(k=1)", 2.0, TEXT, 80.0, 2.0),
+        _row("fixed(k=4)", 1.0, [[1, 2, 3, 4, 5]], 50.0, 2.0),  # overshoot: still greedy
+        _row("ours", 0.8, [[1, 2, 9, 4]], 60.0, 2.0),  # a different greedy text
+    ])  # fmt: skip
+    prose = _result([
+        _row("ar", 4.0, TEXT, 100.0, 1.25),
+        _row("fixed(k=1)", 3.2, TEXT, 90.0, 1.25),
+        _row("fixed(k=4)", 8.0, TEXT, 150.0, 1.25),
+        _row("ours", 3.2, TEXT, 85.0, 1.25),
+    ])  # fmt: skip
+    df = domain_table({"code": code, "prose": prose}).set_index(["domain", "policy"])
+    assert df.loc[("code", "fixed(k=1)"), "best_fixed"] == "fixed(k=4)"
+    assert df.loc[("prose", "ours"), "best_fixed"] == "fixed(k=1)"
+    assert df.loc[("code", "fixed(k=4)"), "speedup"] == pytest.approx(5.0)  # 5 tok/s vs 1
+    assert df.loc[("code", "ours"), "over_best_fixed"] == pytest.approx(1.0)  # 5 vs 5 tok/s
+    assert df.loc[("prose", "ours"), "over_best_fixed"] == pytest.approx(1.0)
+    assert df.loc[("prose", "fixed(k=4)"), "over_best_fixed"] == pytest.approx(0.4)
+    # Modelled over the bound on the same text: (100 / 60) / 2.0.
+    assert df.loc[("code", "ours"), "of_bound"] == pytest.approx(100 / 60 / 2.0)
+    assert bool(df.loc[("code", "fixed(k=4)"), "greedy_equal"])
+    assert not df.loc[("code", "ours"), "greedy_equal"]
+    # Pooled: total tokens over total time (ours: 8 tokens in 4.0 s, ar: 8 in 8.0 s).
+    assert df.loc[(ALL, "ours"), "speedup"] == pytest.approx(2.0)
+    assert df.loc[(ALL, "fixed(k=1)"), "speedup"] == pytest.approx(8 / 5.2 / 1.0)
+    assert not df.loc[(ALL, "ours"), "greedy_equal"]  # one domain's text differs
+    assert bool(df.loc[(ALL, "fixed(k=4)"), "greedy_equal"])
+    text = format_domain_summary(df.reset_index())
+    assert "code, T=0 (best fixed: fixed(k=4))" in text and "NO" in text
+    assert domain_metrics(df.reset_index())["all_T0_ours_over_best_fixed"] > 1
+
+
+@pytest.mark.slow
+def test_bench_online_per_domain(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    args = "--domains prose,math --limit 1 --max-new-tokens 3 --temperatures 0 --quick"
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench_online", *args.split()],
+                          cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in ("=== domain prose ===", "=== domain math ===", "prose, T=0 (best fixed:",
+                 "all, T=0 (best fixed: fixed(k=2))", "x best fixed"):  # fmt: skip
+        assert text in proc.stdout, text
+    assert " NO" not in proc.stdout  # greedy texts equal `ar`'s
+    bad = subprocess.run([sys.executable, "-m", "jobs.bench_online", "--domains", "poetry"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "code, prose, math" in bad.stderr
