@@ -1,8 +1,9 @@
 """Online speculative decoding benchmark: tokens/s and speedup over plain decoding (our `ar`)
-for every policy, the cost-aware ones (ecospec, ecospec-global, marginal) and transformers'
-assisted generation, on the same prompts and models in one run, greedy (T=0) and sampling
-(T=1); mean accepted length, mean unique experts per verification pass, the share of wall time
-spent in target verification, and the fraction of the oracle's bound each policy captures.
+for every policy, the cost-aware ones (ecospec, ecospec-global, marginal, cascade) and
+transformers' assisted generation, on the same prompts and models in one run, greedy (T=0)
+and sampling (T=1); mean accepted length, mean unique experts per verification pass, the
+share of wall time spent in target verification, and the fraction of the oracle's bound each
+policy captures.
 
 The bound: the text `ar` generated at that temperature goes through the extraction and the
 Bellman oracle with the same cost model the marginal policy uses (exact-greedy acceptance at

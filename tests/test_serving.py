@@ -444,9 +444,9 @@ def test_every_registered_policy_s_knobs_are_validated_over_http(server):
 
 @pytest.mark.slow
 def test_every_listed_policy_answers_with_plain_greedy_text(server, pair):
-    """Every policy the server lists, the cost-aware ones (ecospec, ecospec-global, marginal)
-    on the artifacts committed under models/, answers 200 at T = 0 with plain greedy decoding's
-    text: a broken artifact loader is a failure here, not a tolerated 500."""
+    """Every policy the server lists, the cost-aware ones (ecospec, ecospec-global, marginal,
+    cascade) on the artifacts committed under models/, answers 200 at T = 0 with plain greedy
+    decoding's text: a broken artifact loader is a failure here, not a tolerated 500."""
     names = httpx.get(f"{server}/v1/models", timeout=30).json()["data"][0]["policies"]
     assert set(names) == set(POLICIES)
     for prompt in PROMPTS:

@@ -44,13 +44,14 @@ DEFAULT_POLICIES: list[tuple[str, dict]] = [
     ("tree", {"depth": 3, "branch": 2, "gamma": 7}),
 ]
 # EcoSpec's operating point (3 draft steps, top-2, gamma 4 verified positions) next to `tree`
-# at the same gamma, and our marginal rule (lambda from the oracle's policy.json).
+# at the same gamma, our marginal rule (lambda from the oracle's policy.json) and Cascade.
 COST_AWARE_POLICIES: list[tuple[str, dict]] = [
     ("tree", {"depth": 3, "branch": 2, "gamma": 4}),
     ("ecospec", {"depth": 3, "branch": 2, "gamma": 4}),
     ("ecospec-global", {"depth": 3, "branch": 2, "gamma": 4}),
     ("marginal", {}),
     ("marginal", {"calibrate": True}),
+    ("cascade", {}),
 ]
 # --quick: the baseline, the best fixed chain and our rule; no assisted generation.
 QUICK_POLICIES: list[tuple[str, dict]] = [("ar", {}), ("fixed", {"k": 2}), ("marginal", {})]

@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.cascade import CascadePolicy
 from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy
 from pipeline.decode.policies.knobs import KnobError
 from pipeline.decode.policies.marginal import MarginalPolicy
@@ -35,6 +36,7 @@ POLICIES: dict[str, type[Policy]] = {
         EcoSpecPolicy,
         EcoSpecGlobalPolicy,
         MarginalPolicy,
+        CascadePolicy,
     )
 }
 POLICY_NAMES = tuple(POLICIES)  # the built-in ones; register_policy adds to POLICIES

@@ -1,0 +1,124 @@
+"""Cascade (utility-driven draft length for MoE targets; a peer in issue 16's benchmark).
+
+A cycle has a *test* phase, where each K of the ladder 1, 2, 4, ..., max_k drafts a chain of K
+for ``test_steps`` steps, and a *set* phase of ``set_steps`` steps at the K of highest utility,
+or at K = 0 (plain steps, no draft) when no utility reaches 1: speculation switches itself off
+where it does not pay. The utility of K is the AR price of the tokens its steps produced over
+the price of those steps (T_D of the draft forwards + T_T at their m, unique experts and
+context), both from the calibrated cost model: > 1 when K beats plain decoding. Prices rather
+than timings, so a timer burst cannot flip the choice. Cycles repeat through a generation, as
+the text's difficulty drifts; each generation starts afresh.
+
+Draft work per step: a chain of at most max_k, and after a set phase of plain steps the draft
+catches up on the up to ``set_steps`` tokens those steps committed, in one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pipeline.cost.model import CostModel
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.policies.base import Policy, draft_chain
+from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.types import Candidates, StepOutcome
+
+if TYPE_CHECKING:
+    from pipeline.decode.policies.artifacts import PolicyArtifacts
+
+DEFAULT_MAX_K = 8
+
+
+def ladder(max_k: int) -> list[int]:
+    """The K tested each cycle: powers of two below max_k, and max_k."""
+    out, k = [], 1
+    while k < max_k:
+        out.append(k)
+        k *= 2
+    return [*out, max_k]
+
+
+@dataclass
+class CascadePolicy(Policy):
+    cost: CostModel
+    max_k: int | None = None  # None: the cost model's largest m - 1, at most DEFAULT_MAX_K
+    test_steps: int = 2
+    set_steps: int = 24
+    name = "cascade"
+    summary = ("Cascade: test each K briefly, then run the K of best utility (AR price over "
+               "step price); no draft when none pays")  # fmt: skip
+    needs_artifacts = True
+    knobs = (
+        step_knob("max_k", None, "largest K tested (default: the cost model's largest m - 1, "
+                  f"at most {DEFAULT_MAX_K})"),
+        Knob("test_steps", int, 2, 1, 64, help="steps each tested K runs per cycle"),
+        Knob("set_steps", int, 24, 1, 128, help="steps at the chosen K before testing again"),
+    )  # fmt: skip
+    # (K, utility) of every set phase, for inspection.
+    choices: list[tuple[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
+        assert artifacts is not None
+        return cls(artifacts.cost, **knobs)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_k is None:
+            self.max_k = min(DEFAULT_MAX_K, self.cost.max_m - 1)
+        need = range(1, self.max_k + 2)
+        if self.max_k < 1 or self.cost.missing_m(need):
+            raise ValueError(
+                f"cascade: max_k must lie in [1, {self.cost.max_m - 1}] (the cost model's "
+                f"largest m - 1), got {self.max_k}: " + self.cost.missing_m_message(need)
+            )
+        self.reset()
+
+    def reset(self) -> None:
+        assert self.max_k is not None
+        self._tests = [k for k in ladder(self.max_k) for _ in range(self.test_steps)]
+        self._todo: list[int] = list(self._tests)  # the K of each remaining step of the phase
+        self._prices: dict[int, list[float]] = {}  # K -> [AR price of its tokens, its price]
+        self._testing = True
+        self._ctx = 0
+        self._k = 0
+
+    def step_work(self) -> StepWork:
+        assert self.max_k is not None
+        k = self.max_k
+        # k forwards (begin + k - 1 extends); the first feeds the catch-up: the last chain
+        # step's <= k + 1 tokens, plus a set phase's set_steps plain tokens after it.
+        catch_up = k + 1 + self.set_steps
+        return StepWork(k, catch_up + k - 1, k + 1,
+                        f"max_k {k}, set_steps {self.set_steps}")  # fmt: skip
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        if not self._todo:
+            self._next_phase()
+        self._k = self._todo.pop()
+        self._ctx = len(committed)
+        return draft_chain(drafter, committed, self._k) if self._k else Candidates()
+
+    def update(self, outcome: StepOutcome) -> None:
+        if not self._testing:
+            return
+        record, cost, ctx = outcome.record, self.cost, float(self._ctx)
+        ar = record.new_tokens * cost.t_target(1, 0.0, ctx)  # alpha(1) = 0: U is top_k there
+        spent = cost.t_draft(record.draft_forwards) + cost.t_target(
+            record.verified, record.u_bar, ctx
+        )
+        prices = self._prices.setdefault(self._k, [0.0, 0.0])
+        prices[0] += ar
+        prices[1] += spent
+
+    def _next_phase(self) -> None:
+        if self._testing:
+            utility = {k: ar / spent for k, (ar, spent) in self._prices.items() if spent > 0}
+            best = max(utility, key=utility.get, default=0)
+            k = best if utility.get(best, 0.0) > 1.0 else 0
+            self.choices.append((k, utility.get(best, 1.0)))
+            self._todo, self._testing = [k] * self.set_steps, False
+        else:
+            self._todo, self._testing, self._prices = list(self._tests), True, {}
