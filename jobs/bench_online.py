@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
         print()
         print(format_domain_summary(table))
         metrics.update(domain_metrics(table))
+        for name, result in results.items():  # each domain's own bench metrics too
+            metrics.update({f"{name}_{k}": v for k, v in result.metrics().items()})
     else:
         metrics.update(results[args.source].metrics())
     with tracked_run("bench_online", params=vars(args)) as mlrun:

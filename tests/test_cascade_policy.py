@@ -5,11 +5,14 @@ losslessness, knobs and step work are covered with every registered policy."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from pipeline.cost.model import CostModel
 from pipeline.decode.policies.cascade import CascadePolicy, ladder
-from pipeline.decode.types import Candidates, StepOutcome, StepRecord
+from pipeline.decode.types import StepOutcome, StepRecord
 
 
 def _cost(draft_ms: float) -> CostModel:
@@ -18,19 +21,35 @@ def _cost(draft_ms: float) -> CostModel:
                      draft_a=draft_ms, draft_b=0.0)  # fmt: skip
 
 
+class _StubDrafter:
+    """What propose() reaches through draft_chain: a greedy draft over a 2-token vocabulary,
+    and the pair's MoE spec (top_k prices a plain step)."""
+
+    pair = SimpleNamespace(spec=SimpleNamespace(top_k=2))
+    sampling = SimpleNamespace(greedy=True)
+
+    def begin(self, committed: list[int]) -> torch.Tensor:
+        return torch.tensor([0.9, 0.1])
+
+    def extend(self, token: int) -> torch.Tensor:
+        return torch.tensor([0.9, 0.1])
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(probs.argmax())
+
+
 def _run(policy: CascadePolicy, steps: int, accepted_of) -> list[int]:
-    """K of each step; accepted_of(k) tokens of a chain of k accepted."""
-    ks = []
+    """K of each step, proposed and updated as the engine does (each proposal made twice, as a
+    session timing its steps twice does); accepted_of(k) of a chain of k accepted."""
+    ks, drafter = [], _StubDrafter()
     for _ in range(steps):
-        if not policy._todo:
-            policy._next_phase()
-        k = policy._todo.pop()
-        policy._k, policy._ctx = k, 100
+        cands = policy.propose(drafter, [1] * 100)
+        assert len(policy.propose(drafter, [1] * 100)) == len(cands)  # no state advanced
+        k = len(cands)
         ks.append(k)
         a = accepted_of(k)
-        record = StepRecord(k, k + 1, a, a + 1, [4] * 2, 0.0, 0.0, k)
-        policy.update(StepOutcome(Candidates(tokens=[0] * k, parents=list(range(-1, k - 1))),
-                                  a, record))  # fmt: skip
+        record = StepRecord(k, k + 1, a, a + 1, [2 + k] * 2, 0.0, 0.0, k)
+        policy.update(StepOutcome(cands, a, record))
     return ks
 
 
@@ -42,10 +61,10 @@ def test_speculation_switches_off_when_no_k_pays():
     # A draft forward costs as much as a verification and nothing is ever accepted.
     policy = CascadePolicy(_cost(10.0), max_k=4, test_steps=2, set_steps=5)
     ks = _run(policy, 6 + 5 + 6, lambda k: 0)
-    assert sorted(ks[:6]) == [1, 1, 2, 2, 4, 4]  # the test phase
+    assert ks[:6] == [1, 1, 2, 2, 4, 4]  # the test phase, up the ladder
     assert ks[6:11] == [0] * 5  # the set phase: plain steps
     assert policy.choices[0][0] == 0 and policy.choices[0][1] < 1
-    assert sorted(ks[11:]) == [1, 1, 2, 2, 4, 4]  # tested again: the text may change
+    assert ks[11:] == [1, 1, 2, 2, 4, 4]  # tested again: the text may change
 
 
 def test_the_k_of_best_utility_is_set():
@@ -60,8 +79,8 @@ def test_the_k_of_best_utility_is_set():
 def test_each_generation_starts_afresh_and_max_k_defaults_to_the_cost_model():
     policy = CascadePolicy(_cost(1.0), test_steps=1, set_steps=2)
     assert policy.max_k == 8  # DEFAULT_MAX_K within the model's m = 1..9
-    _run(policy, 5, lambda k: k)
+    assert _run(policy, 5, lambda k: k) == [1, 2, 4, 8, 8]  # set at the longest, all accepted
     policy.reset()
-    assert sorted(policy._todo) == ladder(8) and policy._testing
+    assert policy.next_k == 1
     with pytest.raises(ValueError, match="max_k must lie in"):
         CascadePolicy(_cost(1.0), max_k=9)

@@ -339,3 +339,22 @@ def test_deltas_still_stop_before_the_next_step_once_cancelled(text_pair):
     assert gen.result.finish_reason == "cancelled"
     assert len(gen.result.steps) == steps_run and polls[0] == steps_run + 1
     assert "".join([first, *rest]) == gen.result.text
+
+
+def test_cascade_declares_its_catch_up_after_plain_steps(pairs):
+    """An exact draft but a draft forward priced at 100 ms: the test phase (K = 1, then 2, all
+    accepted) finds no K that pays, the set phase takes 2 plain steps, and the next test step
+    catches up on the K = 2 step's 3 tokens and the 2 plain ones: the declared bound, reached."""
+    from pipeline.cost.model import CostModel
+    from pipeline.decode.policies.cascade import CascadePolicy
+
+    cost = CostModel(beta0={m: 10.0 for m in (1, 2, 3)}, alpha={m: 0.0 for m in (1, 2, 3)},
+                     c=0.0, draft_a=100.0, draft_b=0.0)  # fmt: skip
+    policy = CascadePolicy(cost, max_k=2, test_steps=1, set_steps=2)
+    declared = policy.step_work()
+    session = SpeculativeEngine(pairs["exact"]).start(PROMPT, policy, SamplingConfig(), seed=1)
+    for _ in range(5):
+        session.step()
+    assert [s.drafted for s in session.steps] == [1, 2, 0, 0, 1]
+    assert session.steps[-1].draft_tokens == declared.draft_tokens == 5
+    assert max(s.draft_forwards for s in session.steps) == declared.draft_forwards == 2

@@ -22,12 +22,13 @@ def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
     rows = []
     for domain, result in results.items():
         for r in result.rows:
-            ar = result._row("ar", r.temperature)
+            ar = result.row("ar", r.temperature)
             rows.append({
                 "domain": domain, "temperature": r.temperature, "policy": r.label,
                 "tokens": r.tokens, "seconds": r.seconds, "ar_tokens": ar.tokens,
                 "ar_seconds": ar.seconds, "policy_ms": r.policy_ms, "ar_ms": r.ar_ms,
-                "bound_ms": _bound_ms(r), "mean_accepted": r.mean_accepted,
+                "bound_ms": _bound_ms(r), "steps": sum(len(s) for s in r.steps),
+                "accepted": r.mean_accepted * sum(len(s) for s in r.steps),
                 "greedy_equal": (_same_text(r.outputs, ar.outputs)
                                  if r.temperature == 0 and r.outputs else None),
             })  # fmt: skip
@@ -35,12 +36,14 @@ def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
     if df.empty:
         return df
     if len(results) > 1:  # pooled: total tokens over total time, per policy and temperature
-        sums = ["tokens", "seconds", "ar_tokens", "ar_seconds", "policy_ms", "ar_ms", "bound_ms"]
+        sums = ["tokens", "seconds", "ar_tokens", "ar_seconds", "policy_ms", "ar_ms", "bound_ms",
+                "steps", "accepted"]  # fmt: skip
         pooled = df.groupby(["temperature", "policy"], as_index=False, sort=False).agg(
             {**{c: lambda x: x.sum(min_count=len(x)) for c in sums},
-             "mean_accepted": "mean", "greedy_equal": _all_or_none},
+             "greedy_equal": _all_or_none},
         )  # fmt: skip
         df = pd.concat([df, pooled.assign(domain=ALL)], ignore_index=True)
+    df["mean_accepted"] = df["accepted"] / df["steps"]  # per step, pooled over the steps
     df["tok_s"] = df["tokens"] / df["seconds"]
     df["speedup"] = df["tok_s"] / (df["ar_tokens"] / df["ar_seconds"])
     df["modelled_speedup"] = df["ar_ms"] / df["policy_ms"]

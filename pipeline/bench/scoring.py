@@ -50,17 +50,17 @@ class OnlineBenchResult:
     lmax: int
     cost: CostModel
 
-    def _row(self, label: str, temperature: float) -> BenchRow | None:
+    def row(self, label: str, temperature: float) -> BenchRow | None:
         return next((r for r in self.rows if r.label == label and r.temperature == temperature),
                     None)  # fmt: skip
 
     def speedup(self, row: BenchRow) -> float:
         """Measured: tokens/s over `ar`'s at the same temperature (prefill left out of both)."""
-        return row.tokens_per_s / self._row("ar", row.temperature).tokens_per_s
+        return row.tokens_per_s / self.row("ar", row.temperature).tokens_per_s
 
     def of_replay(self, row: BenchRow) -> float | None:
         """Measured / measured: the share of the oracle replay's measured speedup (T = 0)."""
-        replay = self._row(REPLAY_LABEL, row.temperature)
+        replay = self.row(REPLAY_LABEL, row.temperature)
         return None if replay is None else self.speedup(row) / self.speedup(replay)
 
     @staticmethod

@@ -31,7 +31,7 @@ from pipeline.data.prompts import (
     HUMANEVAL_SOURCE,
     Prompt,
     PromptSourceError,
-    _check_limit,
+    check_limit,
     load_humaneval,
     load_jsonl,
 )
@@ -75,7 +75,7 @@ def load_domain(name: str, limit: int | None = None) -> list[Prompt]:
     """The first ``limit`` prompts (all when None) of domain ``name``, in source order, each with
     ``category`` set to the domain name."""
     key = _resolve(name)
-    _check_limit(limit)
+    check_limit(limit)
     source = DOMAINS[key]
     prompts = load_humaneval(limit) if source == HUMANEVAL_SOURCE else load_jsonl(source, limit)
     return [dataclasses.replace(p, category=key) for p in prompts]
@@ -98,7 +98,7 @@ def load_domains(names: Sequence[str], limit_per_domain: int | None = None) -> l
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
         raise PromptSourceError(f"domain(s) given more than once: {', '.join(repeated)}")
-    _check_limit(limit_per_domain)
+    check_limit(limit_per_domain)
     loaded = [load_domain(k, limit_per_domain) for k in keys]
     return [p for row in zip_longest(*loaded) for p in row if p is not None]
 
@@ -106,7 +106,7 @@ def load_domains(names: Sequence[str], limit_per_domain: int | None = None) -> l
 def load_all_domains(limit: int | None = None) -> list[Prompt]:
     """All domains interleaved, ``limit`` prompts in total split evenly (counts differ by at
     most one, earlier domains in ``DOMAINS`` order first); all prompts when None."""
-    _check_limit(limit)
+    check_limit(limit)
     if limit is None:
         return load_domains(list(DOMAINS))
     per_domain = -(-limit // len(DOMAINS))  # ceil: the round-robin prefix then splits evenly

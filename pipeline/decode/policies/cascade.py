@@ -1,16 +1,20 @@
 """Cascade (utility-driven draft length for MoE targets; a peer in issue 16's benchmark).
 
-A cycle has a *test* phase, where each K of the ladder 1, 2, 4, ..., max_k drafts a chain of K
-for ``test_steps`` steps, and a *set* phase of ``set_steps`` steps at the K of highest utility,
-or at K = 0 (plain steps, no draft) when no utility reaches 1: speculation switches itself off
-where it does not pay. The utility of K is the AR price of the tokens its steps produced over
-the price of those steps (T_D of the draft forwards + T_T at their m, unique experts and
-context), both from the calibrated cost model: > 1 when K beats plain decoding. Prices rather
-than timings, so a timer burst cannot flip the choice. Cycles repeat through a generation, as
-the text's difficulty drifts; each generation starts afresh.
+A cycle has a *test* phase, where each K of the ladder 1, 2, 4, ..., max_k (in that order)
+drafts a chain of K for ``test_steps`` steps, and a *set* phase of ``set_steps`` steps at the K
+of highest utility, or at K = 0 (plain steps, no draft) when no utility exceeds 1: speculation
+switches itself off where it does not pay. The utility of K is the AR price of the tokens its
+steps produced over the price of those steps (T_D of the draft forwards + T_T at their m,
+unique experts and context), both from the calibrated cost model: > 1 when K beats plain
+decoding. Prices rather than timings, so a timer burst cannot flip the choice. Cycles repeat
+through a generation, as the text's difficulty drifts; each generation starts afresh.
 
-Draft work per step: a chain of at most max_k, and after a set phase of plain steps the draft
-catches up on the up to ``set_steps`` tokens those steps committed, in one forward.
+Draft work per step: a chain of at most max_k; its first forward feeds the catch-up on the
+tokens committed since the draft last ran: the last chain step's (at most max_k + 1, since
+the test phase ends on max_k) and, after a set phase of plain steps, those steps' set_steps.
+
+The schedule advances in update(), not propose(): a session timing a step several times
+proposes it several times.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class CascadePolicy(Policy):
         Knob("set_steps", int, 24, 1, 128, help="steps at the chosen K before testing again"),
     )  # fmt: skip
     # (K, utility) of every set phase, for inspection.
-    choices: list[tuple[int, float]] = field(default_factory=list)
+    choices: list[tuple[int, float]] = field(default_factory=list, init=False)
 
     @classmethod
     def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
@@ -78,38 +82,44 @@ class CascadePolicy(Policy):
 
     def reset(self) -> None:
         assert self.max_k is not None
-        self._tests = [k for k in ladder(self.max_k) for _ in range(self.test_steps)]
+        self._tests: list[int] = [k for k in ladder(self.max_k) for _ in range(self.test_steps)]
         self._todo: list[int] = list(self._tests)  # the K of each remaining step of the phase
         self._prices: dict[int, list[float]] = {}  # K -> [AR price of its tokens, its price]
-        self._testing = True
-        self._ctx = 0
-        self._k = 0
+        self._testing: bool = True
+        self._ctx: int = 0
+        self._top_k: int = 0
+
+    @property
+    def next_k(self) -> int:
+        """The K of the next step."""
+        if not self._todo:
+            self._next_phase()
+        return self._todo[0]
 
     def step_work(self) -> StepWork:
         assert self.max_k is not None
         k = self.max_k
-        # k forwards (begin + k - 1 extends); the first feeds the catch-up: the last chain
-        # step's <= k + 1 tokens, plus a set phase's set_steps plain tokens after it.
-        catch_up = k + 1 + self.set_steps
-        return StepWork(k, catch_up + k - 1, k + 1,
-                        f"max_k {k}, set_steps {self.set_steps}")  # fmt: skip
+        # Draft tokens: a K = 1 step after a plain set phase feeds max_k + 1 + set_steps; a
+        # chain of k after a chain step feeds at most k + 1 then extends k - 1 times.
+        tokens = max(k + 1 + self.set_steps, 2 * k)
+        return StepWork(k, tokens, k + 1, f"max_k {k}, set_steps {self.set_steps}")
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
-        if not self._todo:
-            self._next_phase()
-        self._k = self._todo.pop()
         self._ctx = len(committed)
-        return draft_chain(drafter, committed, self._k) if self._k else Candidates()
+        self._top_k = drafter.pair.spec.top_k  # a plain step's union: what AR is priced at
+        k = self.next_k
+        return draft_chain(drafter, committed, k) if k else Candidates()
 
     def update(self, outcome: StepOutcome) -> None:
+        k = self._todo.pop(0)
         if not self._testing:
             return
         record, cost, ctx = outcome.record, self.cost, float(self._ctx)
-        ar = record.new_tokens * cost.t_target(1, 0.0, ctx)  # alpha(1) = 0: U is top_k there
+        ar = record.new_tokens * cost.t_target(1, float(self._top_k), ctx)
         spent = cost.t_draft(record.draft_forwards) + cost.t_target(
             record.verified, record.u_bar, ctx
         )
-        prices = self._prices.setdefault(self._k, [0.0, 0.0])
+        prices = self._prices.setdefault(k, [0.0, 0.0])
         prices[0] += ar
         prices[1] += spent
 
