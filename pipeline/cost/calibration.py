@@ -123,7 +123,7 @@ def run_calibration(
         if insitu is not None:
             designed = insitu.table()
             designed_meta["designed_per_round"] = designed_per_round
-            target_rounds = designed.to_pandas()  # each pass already a median of repeats
+            target_rounds = designed_df = designed.to_pandas()  # a row: median of its repeats
         else:
             if designed_contexts is None:  # span what the observational rounds saw
                 low, high = int(df["ctx_len"].min()), int(df["ctx_len"].max())
@@ -136,7 +136,8 @@ def run_calibration(
             designed_meta["designed_statistic"] = "cell median"
             # The fit reads each cell's median over its repeats (the noise of one pass is
             # reported per cell, cells.csv).
-            target_rounds = cell_medians(designed.to_pandas())
+            designed_df = designed.to_pandas()
+            target_rounds = cell_medians(designed_df)
         write_table_atomic(designed, out / "designed_rounds.parquet")
         observational = fit_cost_model(df, {**meta, "design": "observational"})
         # The draft line comes from the observational rounds (designed passes run no draft).
@@ -148,7 +149,7 @@ def run_calibration(
         observational.model.save(out / "costmodel_observational.json")
         comparison = compare_designs(fit, observational, df)
         comparison.to_csv(out / "design_comparison.csv", index=False)
-        cells = cell_dispersion(designed.to_pandas())
+        cells = cell_dispersion(designed_df)
         cells.to_csv(out / "cells.csv", index=False)
         summary = {
             "designed_on_observational_rounds": fit.model.meta["fit"]["on_observational_rounds"],

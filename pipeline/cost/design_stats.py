@@ -34,12 +34,17 @@ def cell_dispersion(rounds: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def priced(model: CostModel, rounds: pd.DataFrame) -> np.ndarray:
+    """The model's T_T for every round (its m, U and context)."""
+    return np.array([model.t_target(int(r.m), float(r.u_bar), float(r.ctx_len))
+                     for r in rounds.itertuples()])  # fmt: skip
+
+
 def error_on(model: CostModel, rounds: pd.DataFrame) -> pd.DataFrame:
     """How well ``model`` prices other rounds (the designed model on held-out observational
     rounds: how it will be used): per m and overall, R2, RMSE and MAPE."""
     y = rounds["t_target_ms"].to_numpy(float)
-    pred = np.array([model.t_target(int(r.m), float(r.u_bar), float(r.ctx_len))
-                     for r in rounds.itertuples()])  # fmt: skip
+    pred = priced(model, rounds)
     out = []
     for m in sorted(int(m) for m in rounds["m"].unique()):
         sel = (rounds["m"] == m).to_numpy()
@@ -53,8 +58,7 @@ def heldout_summary(model: CostModel, rounds: pd.DataFrame) -> dict[str, float |
     and MAPE per round, and the MAPE of each generation's total target time (what a bound or
     a policy adds up; per-round timer noise mostly cancels in it). Percentages."""
     y = rounds["t_target_ms"].to_numpy(float)
-    pred = np.array([model.t_target(int(r.m), float(r.u_bar), float(r.ctx_len))
-                     for r in rounds.itertuples()])  # fmt: skip
+    pred = priced(model, rounds)
     rel = pred / y - 1
     totals = pd.DataFrame({"g": rounds["gen_id"].to_numpy(), "y": y, "p": pred}).groupby("g")
     sums = totals.sum()
