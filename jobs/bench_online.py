@@ -18,6 +18,9 @@ bound and whether its greedy text equals `ar`'s.
 
     python -m jobs.bench_online --limit 8 --max-new-tokens 64
     python -m jobs.bench_online --domains code,prose,math --limit 8 --max-new-tokens 64
+    python -m jobs.bench_online --domains all --policies ar,fixed:k=2,fixed:k=4,throughput
+    # the second pair (a 2-layer draft), its artifacts beside it
+    python -m jobs.bench_online --draft models/draft-2layer --artifacts models/draft-2layer
 """
 
 from __future__ import annotations
@@ -25,18 +28,27 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, add_model_args, parser, run
+from jobs.cli import (
+    SOURCE_HELP,
+    add_model_args,
+    parse_policy_specs,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.bench.domains import domain_metrics, domain_table, format_domain_summary
 from pipeline.bench.online import BenchRow, run_online_bench
 from pipeline.bench.scoring import format_online_bench
 from pipeline.data.domains import DOMAINS, load_prompts
 from pipeline.data.prompts import encode
 from pipeline.decode.policies.artifacts import (
+    DEFAULT_ACCEPTANCE,
     DEFAULT_COSTMODEL,
     DEFAULT_POLICY,
     DEFAULT_PREDICTOR,
     load_artifacts,
 )
+from pipeline.decode.policies.registry import validate_knobs
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run
 
@@ -61,8 +73,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR, help="expert predictor")
     p.add_argument("--costmodel", type=Path, default=DEFAULT_COSTMODEL, help="costmodel.json")
     p.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="the oracle's policy.json")
+    p.add_argument("--acceptance", type=Path, default=DEFAULT_ACCEPTANCE,
+                   help="acceptance.json (jobs.train_acceptance)")  # fmt: skip
+    p.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
+                   help="read predictor/, costmodel.json, policy.json and acceptance.json from "
+                   "DIR (a second pair's); overrides the four options above")  # fmt: skip
+    p.add_argument("--policies", default=None,
+                   help="run only these, e.g. 'ar,fixed:k=2,throughput:max_k=8' (ar is always "
+                   "run first: the baseline); default: every policy of the bench")  # fmt: skip
+    p.add_argument(
+        "--no-assisted", action="store_true", help="leave out transformers' assisted generation"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads while decoding (1: what the committed cost models were "
+        "calibrated with and what a serving replica runs; 0: torch's default)",
+    )
+    p.add_argument(
+        "--no-bound",
+        action="store_true",
+        help="leave out the oracle (bound and replay): measured figures only, faster",
+    )
+    p.add_argument(
+        "--bound-at",
+        default=None,
+        metavar="TEMPS",
+        help="solve the bound only at these temperatures, e.g. 0 (at T > 0 every "
+        "policy's text differs, so each needs its own solve); default: all",
+    )
     p.add_argument("--lmax", type=int, default=12, help="Lmax of the bound (12)")
-    p.add_argument("--quick", action="store_true", help="only ar, fixed(k=2) and marginal")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="only ar, fixed k = 1..4 and throughput, no assisted generation",
+    )
     p.add_argument(
         "--allow-costmodel-mismatch",
         action="store_true",
@@ -70,6 +116,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "checkpoints (its prices then describe that other setting)",
     )
     args = p.parse_args(argv)
+    if args.artifacts is not None:
+        if not args.artifacts.is_dir():
+            p.error(f"--artifacts {args.artifacts}: not a directory")
+        args.predictor = args.artifacts / "predictor"
+        args.costmodel = args.artifacts / "costmodel.json"
+        args.policy = args.artifacts / "policy.json"
+        args.acceptance = args.artifacts / "acceptance.json"
+    if args.policies is not None:
+        try:
+            args.policies = parse_policy_specs(args.policies)
+            for name, knobs in args.policies:
+                validate_knobs(name, knobs)
+        except ValueError as exc:
+            p.error(f"--policies: {exc}")
     if args.limit < 1 or args.max_new_tokens < 1 or args.lmax < 1:
         p.error("--limit, --max-new-tokens and --lmax must be >= 1")
     if args.domains is not None:
@@ -82,26 +142,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _bound_arg(args: argparse.Namespace) -> bool | list[float]:
+    if args.no_bound:
+        return False
+    if args.bound_at is None:
+        return True
+    return [float(t) for t in args.bound_at.split(",") if t.strip()]
+
+
+def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: str):
+    """One prompt source's bench, printed as it finishes."""
+    prompts = [encode(pair.tokenizer, p.text, keep_last=512)
+               for p in load_prompts(source, args.limit)]  # fmt: skip
+    result = run_online_bench(
+        pair, artifacts, prompts, [float(t) for t in args.temperatures.split(",")],
+        args.max_new_tokens, args.lmax, quick=args.quick, policies=args.policies,
+        assisted=False if args.no_assisted else None, bound=_bound_arg(args),
+        progress=lambda line: print(f"[bench_online] {name}: {line}", flush=True),
+    )  # fmt: skip
+    if args.domains:
+        print(f"\n=== domain {name} ===")
+    print(format_online_bench(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> list[BenchRow]:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
-    artifacts = load_artifacts(args.predictor, args.costmodel, args.policy, str(pair.device))
+    artifacts = load_artifacts(args.predictor, args.costmodel, args.policy, str(pair.device),
+                               args.acceptance)  # fmt: skip
     # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
     artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")
     artifacts.check_pair(pair, allow_mismatch=args.allow_costmodel_mismatch)
     sources = {d: d for d in args.domains} if args.domains else {args.source: args.source}
     results = {}
-    for name, source in sources.items():
-        prompts = [encode(pair.tokenizer, p.text, keep_last=512)
-                   for p in load_prompts(source, args.limit)]  # fmt: skip
-        results[name] = run_online_bench(
-            pair, artifacts, prompts, [float(t) for t in args.temperatures.split(",")],
-            args.max_new_tokens, args.lmax, quick=args.quick,
-            progress=lambda line, name=name: print(f"[bench_online] {name}: {line}", flush=True),
-        )  # fmt: skip
-        if args.domains:
-            print(f"\n=== domain {name} ===")
-        print(format_online_bench(results[name]))
+    with torch_threads(args.threads or None):
+        for name, source in sources.items():
+            results[name] = _bench_source(args, pair, artifacts, name, source)
     metrics = {}
     if args.domains:
         table = domain_table(results)
@@ -112,7 +189,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
             metrics.update({f"{name}_{k}": v for k, v in result.metrics().items()})
     else:
         metrics.update(results[args.source].metrics())
-    with tracked_run("bench_online", params=vars(args)) as mlrun:
+    params = {**vars(args), "policies": str(args.policies)}
+    with tracked_run("bench_online", params=params) as mlrun:
         mlrun.log_metrics(metrics)
     return [row for result in results.values() for row in result.rows]
 

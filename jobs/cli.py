@@ -107,3 +107,28 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def parse_policy_specs(text: str) -> list[tuple[str, dict]]:
+    """'ar,fixed:k=2,throughput:max_k=8:probe_every=4' -> [(name, knobs), ...]; each value is
+    read as JSON (numbers, true/false), else kept as text; the registry checks them."""
+    import json
+
+    specs = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, *pairs = item.split(":")
+        knobs = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ValueError(f"policy {item!r}: knobs are name=value, got {pair!r}")
+            try:
+                knobs[key] = json.loads(value)
+            except json.JSONDecodeError:
+                knobs[key] = value
+        specs.append((name.strip(), knobs))
+    if not specs:
+        raise ValueError("no policies given")
+    return specs

@@ -2,6 +2,8 @@
 
     python -m jobs.train_tiny --out models          # full run (~20 min on 2 CPU cores)
     python -m jobs.train_tiny --out /tmp/m --target-steps 5 --draft-steps 5   # smoke test
+    # a second pair: a 2-layer draft distilled from the committed target (~10 min)
+    python -m jobs.train_tiny --draft-for models/target --draft-layers 2 --out models/draft-2layer
 
 Prints, and logs to MLflow: the target's held-out loss, the draft's top-1 agreement with the
 target's greedy next token on held-out text, and the time of one draft decode step over one
@@ -17,6 +19,7 @@ import torch
 
 from jobs.cli import parser, run
 from pipeline.tiny.build import build_embedded_models
+from pipeline.tiny.second_draft import distill_second_draft
 from pipeline.tiny.training import TinySizes
 from pipeline.tracking import tracked_run
 
@@ -34,6 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--heldout-tokens", type=int, default=60_000, help="held-out tokens to evaluate on"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--draft-for", type=Path, default=None, metavar="TARGET_DIR",
+                   help="train only a draft, distilled from this target checkpoint; --out is "
+                   "then the draft's directory")  # fmt: skip
+    p.add_argument("--draft-layers", type=int, default=2,
+                   help="with --draft-for: the draft's decoder layers")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -42,6 +50,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # model initialisation in the build draws from it
+    if args.draft_for is not None:
+        return second_draft(args)
     sizes = TinySizes()
     built = build_embedded_models(
         args.out,
@@ -71,6 +81,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"({built.draft_ms:.2f} ms / {built.target_ms:.2f} ms, CPU, one run)")  # fmt: skip
     print(f"  size on disk                    {built.size_bytes / 2**20:.1f} MiB")
     return report
+
+
+def second_draft(args: argparse.Namespace) -> dict[str, float]:
+    report = distill_second_draft(
+        args.draft_for, args.out, args.draft_layers, args.draft_steps, args.batch_size,
+        args.seq_len, args.lr, args.seed, args.heldout_tokens,
+        log=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    with tracked_run("train_tiny", params={**vars(args)}) as tracked:
+        tracked.log_metrics({k: float(v) for k, v in report.items()})
+        tracked.log_artifact(str(args.out / "train_report.json"))
+    print(f"\n{args.draft_layers}-layer draft for {args.draft_for} written to {args.out}")
+    for key, value in report.items():
+        print(f"  {key:32s}{value}")
+    return {k: float(v) for k, v in report.items()}
 
 
 if __name__ == "__main__":

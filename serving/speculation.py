@@ -16,8 +16,11 @@ from serving.errors import RequestError
 
 log = logging.getLogger("ray.serve")
 
-DEFAULT_POLICY = "fixed"  # chain of 4: the best greedy speedup in jobs.bench_online
-DEFAULT_KNOBS: dict[str, Any] = {"k": 4}
+# The fastest overall in issue 16's benchmark on the served pair (docs/online.md: three runs,
+# T = 0 and 1; `throughput` is level at T = 0 and behind at T = 1); its acceptance head is in
+# the committed models/acceptance.json.
+DEFAULT_POLICY = "specdec"
+DEFAULT_KNOBS: dict[str, Any] = {}
 # make_policy(name, [artifacts,] **knobs): a knob with one of these names would bind to
 # make_policy's own parameters, not reach the policy.
 _RESERVED = frozenset({"name", "artifacts"})

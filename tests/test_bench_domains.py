@@ -77,7 +77,7 @@ def test_bench_online_per_domain(tmp_path):
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for text in ("=== domain prose ===", "=== domain math ===", "prose, T=0 (best fixed:",
-                 "all, T=0 (best fixed: fixed(k=2))", "x best fixed"):  # fmt: skip
+                 "all, T=0 (best fixed: fixed(k=", "x best fixed", "throughput"):  # fmt: skip
         assert text in proc.stdout, text
     assert " NO" not in proc.stdout  # greedy texts equal `ar`'s
     bad = subprocess.run([sys.executable, "-m", "jobs.bench_online", "--domains", "poetry"],

@@ -38,7 +38,13 @@ def _run(args, cwd, check=True):
 def test_embedded_models_are_committed_and_small():
     assert (DEFAULT_TARGET / "config.json").is_file()
     assert (DEFAULT_DRAFT / "tokenizer.json").is_file()
-    assert directory_size_bytes(REPO_ROOT / "models") <= 24 * 1024 * 1024
+    models = REPO_ROOT / "models"
+    second = models / "draft-2layer"  # the second pair's draft and its artifacts
+    # The embedded pair and its artifacts within train_tiny's budget; the second pair within
+    # a budget of its own, so models/ stays under 32 MiB.
+    assert directory_size_bytes(models) - directory_size_bytes(second) <= 24 * 1024 * 1024
+    assert directory_size_bytes(second) <= 8 * 1024 * 1024
+    assert (second / "config.json").is_file() and (second / "acceptance.json").is_file()
     report = json.loads((REPO_ROOT / "models" / "train_report.json").read_text())
     assert {"target_heldout_loss", "draft_target_top1_agreement"} <= report.keys()
 
@@ -95,6 +101,21 @@ def test_train_tiny_smoke(tmp_path):
     report = json.loads((tmp_path / "m" / "train_report.json").read_text())
     assert report["target_params"] > report["draft_params"]
     assert (tmp_path / "m" / "target" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_train_tiny_second_draft_smoke(tmp_path):
+    """--draft-for distils only a draft, of another depth, for an existing target."""
+    proc = _run(["jobs.train_tiny", "--draft-for", str(DEFAULT_TARGET), "--draft-layers", "2",
+                 "--out", "d2", "--draft-steps", "2", "--batch-size", "2", "--seq-len", "64",
+                 "--heldout-tokens", "2000"], cwd=tmp_path)  # fmt: skip
+    assert "2-layer draft" in proc.stdout
+    config = json.loads((tmp_path / "d2" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+    assert (tmp_path / "d2" / "tokenizer.json").is_file()
+    missing = _run(["jobs.train_tiny", "--draft-for", "nowhere", "--out", "d3"], tmp_path,
+                   check=False)  # fmt: skip
+    assert missing.returncode != 0 and "no target checkpoint at nowhere" in missing.stderr
 
 
 @pytest.mark.slow
@@ -210,3 +231,18 @@ def test_every_job_that_loads_models_takes_the_experts_implementation(job, requi
     required = [a.format(tmp=tmp_path) for a in required]
     args = module.parse_args([*required, "--experts-implementation", "grouped_mm"])
     assert args.experts_implementation == "grouped_mm"
+
+
+def test_policy_specs_parse_names_and_knobs():
+    from jobs.cli import parse_policy_specs
+
+    specs = "ar, fixed:k=2,throughput:max_k=8:rate=3.5,marginal:calibrate=true"
+    assert parse_policy_specs(specs) == [
+        ("ar", {}), ("fixed", {"k": 2}), ("throughput", {"max_k": 8, "rate": 3.5}),
+        ("marginal", {"calibrate": True}),
+    ]  # fmt: skip
+    for bad in ("", "fixed:k", "fixed:=2"):
+        with pytest.raises(ValueError):
+            parse_policy_specs(bad)
+    proc = _run(["jobs.bench_online", "--policies", "fixed:k=0"], REPO_ROOT, check=False)
+    assert proc.returncode == 2 and "--policies: fixed: k must be >= 1, got 0" in proc.stderr

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.artifacts import PolicyArtifacts
@@ -51,10 +52,14 @@ SMALL_KNOBS: dict[str, dict[str, Any]] = {
     "ecospec-global": {"depth": 2, "branch": 2, "gamma": 4},
     "marginal": {"lam": 2.5, "max_k": 2},
     "cascade": {"max_k": 2, "test_steps": 1, "set_steps": 1},  # tests 1 and 2, then sets one
+    "adaedl": {"gamma": 0.5, "lam": 0.22, "max_k": 2},  # entropies here: 1.1-1.3 nats
+    "specdec": {"threshold": 0.15, "max_k": 2},  # the head's P(accept): 0.64-0.97 here
+    "throughput": {"max_k": 2, "probe_every": 1, "rate": 1.5},  # a token worth 1.5 ms
 }
 # Proposal sizes each policy must show over all paths (its rule really branches).
 MUST_PROPOSE = {"heuristic": {1, 2}, "confidence": {1, 2}, "marginal": {0, 1, 2},
-                "cascade": {0, 1, 2}}  # fmt: skip
+                "cascade": {0, 1, 2}, "adaedl": {1, 2}, "specdec": {1, 2},
+                "throughput": {0, 1, 2}}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,7 +87,15 @@ def artifacts(pair) -> PolicyArtifacts:
     )
     cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
                      0.001, 0.4, 0.1)  # fmt: skip
-    return PolicyArtifacts(predictor, cost, 500.0)
+    hidden = pair.draft.config.hidden_size
+    head = [0.0] + torch.linspace(-1.0, 1.0, hidden).tolist()  # varies with the draft's state
+    # Acceptance rises with the draft's confidence, which spans 0.35-0.56 on this pair.
+    mode = ModeModel(current=[-4.0, 0.0, 9.0, 0.0, 0.0, 1.0],
+                     next=[-4.0, 0.0, 9.0, 0.0, 0.0, 1.0], prior=0.5, head=head,
+                     spread=[-3.0, -2.0, -1.0])  # fmt: skip
+    acceptance = AcceptanceModel({"greedy": mode, "sampled": mode}, [2.0 + 0.5 * m for m in
+                                                                     range(13)])  # fmt: skip
+    return PolicyArtifacts(predictor, cost, 500.0, acceptance)
 
 
 @pytest.fixture(scope="module")

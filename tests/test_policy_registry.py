@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.data.references import greedy_continuation
 from pipeline.decode.engine import SpeculativeEngine
@@ -33,7 +34,8 @@ def artifacts(pair) -> PolicyArtifacts:
 
 def synthetic_artifacts(pair) -> PolicyArtifacts:
     """Artifacts for the cost-aware policies on a test pair: an untrained expert predictor
-    (seeded), a made-up cost model and lambda."""
+    (seeded), a made-up cost model, lambda and acceptance model (acceptance rising with the
+    draft's confidence; a head that reads the draft's state)."""
     torch.manual_seed(0)
     spec = pair.spec
     predictor = LearnedExpertPredictor(
@@ -43,7 +45,11 @@ def synthetic_artifacts(pair) -> PolicyArtifacts:
     )  # fmt: skip
     cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
                      0.001, 0.4, 0.1)  # fmt: skip
-    return PolicyArtifacts(predictor, cost, 500.0)
+    hidden = pair.draft.config.hidden_size
+    weights = [-2.0, 0.0, 5.0, 0.0, 0.0, 1.0]  # over FEATURE_NAMES
+    mode = ModeModel(weights, weights, 0.5, [0.5] + [0.01] * hidden, [-1.0, 0.0, 1.0])
+    acceptance = AcceptanceModel({"greedy": mode, "sampled": mode}, [2.0 + m for m in range(13)])
+    return PolicyArtifacts(predictor, cost, 500.0, acceptance)
 
 
 def wrong_type(knob: Knob):

@@ -29,6 +29,8 @@ def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
                 "ar_seconds": ar.seconds, "policy_ms": r.policy_ms, "ar_ms": r.ar_ms,
                 "bound_ms": _bound_ms(r), "steps": sum(len(s) for s in r.steps),
                 "accepted": r.mean_accepted * sum(len(s) for s in r.steps),
+                "draft_ms": sum(x.t_draft_ms for run in r.steps for x in run),
+                "draft_forwards": sum(x.draft_forwards for run in r.steps for x in run),
                 "greedy_equal": (_same_text(r.outputs, ar.outputs)
                                  if r.temperature == 0 and r.outputs else None),
             })  # fmt: skip
@@ -37,13 +39,17 @@ def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
         return df
     if len(results) > 1:  # pooled: total tokens over total time, per policy and temperature
         sums = ["tokens", "seconds", "ar_tokens", "ar_seconds", "policy_ms", "ar_ms", "bound_ms",
-                "steps", "accepted"]  # fmt: skip
+                "steps", "accepted", "draft_ms", "draft_forwards"]  # fmt: skip
         pooled = df.groupby(["temperature", "policy"], as_index=False, sort=False).agg(
             {**{c: lambda x: x.sum(min_count=len(x)) for c in sums},
              "greedy_equal": _all_or_none},
         )  # fmt: skip
         df = pd.concat([df, pooled.assign(domain=ALL)], ignore_index=True)
     df["mean_accepted"] = df["accepted"] / df["steps"]  # per step, pooled over the steps
+    # Drafting's cost per draft forward (the policy's own work included), measured.
+    df["draft_ms_per_forward"] = df["draft_ms"] / df["draft_forwards"].where(
+        df["draft_forwards"] > 0
+    )
     df["tok_s"] = df["tokens"] / df["seconds"]
     df["speedup"] = df["tok_s"] / (df["ar_tokens"] / df["ar_seconds"])
     df["modelled_speedup"] = df["ar_ms"] / df["policy_ms"]
@@ -76,6 +82,10 @@ def _same_text(outputs: list[list[int]], reference: list[list[int]]) -> bool:
     )
 
 
+def _ms(value) -> str:
+    return "-" if value is None or pd.isna(value) else f"{value:.2f}"
+
+
 def _all_or_none(values: pd.Series):
     values = values.dropna()
     return None if values.empty else bool(values.all())
@@ -91,14 +101,15 @@ def format_domain_summary(df: pd.DataFrame) -> str:
         best = group["best_fixed"].iloc[0]
         lines.append(f"\n{domain}, T={temp:g} (best fixed: {best})")
         lines.append(f"  {'policy':40s} {'tok/s':>7} {'speedup':>8} {'x best fixed':>13} "
-                     f"{'of bound':>9} {'accepted':>9} {'= greedy':>9}")  # fmt: skip
+                     f"{'of bound':>9} {'accepted':>9} {'= greedy':>9} "
+                     f"{'ms/draft fwd':>13}")  # fmt: skip
         for r in group.itertuples():
             of_bound = "-" if pd.isna(r.of_bound) else f"{100 * r.of_bound:.0f}%"
             equal = "-" if r.greedy_equal is None or pd.isna(r.greedy_equal) else (
                 "yes" if r.greedy_equal else "NO")  # fmt: skip
             lines.append(f"  {r.policy:40s} {r.tok_s:7.1f} {r.speedup:7.2f}x "
                          f"{r.over_best_fixed:12.2f}x {of_bound:>9} {r.mean_accepted:9.2f} "
-                         f"{equal:>9}")  # fmt: skip
+                         f"{equal:>9} {_ms(r.draft_ms_per_forward):>13}")  # fmt: skip
     return "\n".join(lines)
 
 

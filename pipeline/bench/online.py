@@ -34,11 +34,10 @@ from pipeline.decode.policies.replay import ReplayPolicy
 from pipeline.decode.types import SamplingConfig, StepRecord
 from pipeline.models.loading import ModelPair
 
+FIXED_KS = (1, 2, 3, 4, 5, 6, 8)  # every K that can be best here: the best fixed K is picked
 DEFAULT_POLICIES: list[tuple[str, dict]] = [
     ("ar", {}),
-    ("fixed", {"k": 1}),
-    ("fixed", {"k": 2}),
-    ("fixed", {"k": 4}),
+    *[("fixed", {"k": k}) for k in FIXED_KS],
     ("heuristic", {"max_k": 12}),  # m <= 13: what the committed cost model covers
     ("confidence", {"threshold": 0.5, "max_k": 8}),
     ("tree", {"depth": 3, "branch": 2, "gamma": 7}),
@@ -52,9 +51,16 @@ COST_AWARE_POLICIES: list[tuple[str, dict]] = [
     ("marginal", {}),
     ("marginal", {"calibrate": True}),
     ("cascade", {}),
+    ("adaedl", {}),
+    ("specdec", {}),
+    ("throughput", {}),
 ]
-# --quick: the baseline, the best fixed chain and our rule; no assisted generation.
-QUICK_POLICIES: list[tuple[str, dict]] = [("ar", {}), ("fixed", {"k": 2}), ("marginal", {})]
+# --quick: the baseline, the fixed chains and our policy; no assisted generation.
+QUICK_POLICIES: list[tuple[str, dict]] = [
+    ("ar", {}),
+    *[("fixed", {"k": k}) for k in (1, 2, 3, 4)],
+    ("throughput", {}),
+]
 TREE_POLICIES = frozenset({"tree", "ecospec", "ecospec-global"})
 
 
@@ -188,14 +194,26 @@ def run_online_bench(
     lmax: int,
     quick: bool = False,
     progress: Callable[[str], None] = lambda line: None,
+    policies: list[tuple[str, dict]] | None = None,
+    assisted: bool | None = None,
+    bound: bool | list[float] = True,
 ) -> OnlineBenchResult:
-    """Every policy (QUICK_POLICIES with ``quick``) at every temperature, assisted generation
-    unless ``quick``; each chain policy's text bounded by the oracle (matched acceptance, the
-    same cost model; texts shared between policies are solved once) and, at T = 0, the oracle's
-    k* decoded online. ``progress`` gets a line before each policy runs."""
-    policies = QUICK_POLICIES if quick else DEFAULT_POLICIES + COST_AWARE_POLICIES
+    """Every policy (QUICK_POLICIES with ``quick``, or ``policies``: (name, knobs) pairs, `ar`
+    put first) at every temperature, assisted generation unless ``quick`` (or as ``assisted``
+    says); each chain policy's text bounded by the oracle (matched acceptance, the same cost
+    model; texts shared between policies are solved once) and, at T = 0, the oracle's k*
+    decoded online (``bound=False`` leaves the oracle out: measured figures only; a list of
+    temperatures solves it only at those).
+    ``progress`` gets a line before each policy runs."""
+    if policies is None:
+        policies = QUICK_POLICIES if quick else DEFAULT_POLICIES + COST_AWARE_POLICIES
+    if assisted is None:
+        assisted = not quick
     unknown = {name for name, _ in policies} - POLICIES.keys()
-    assert not unknown, unknown
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; choose among {sorted(POLICIES)}")
+    if policies[0][0] != "ar":
+        policies = [("ar", {}), *[p for p in policies if p[0] != "ar"]]  # the baseline first
     rows: list[BenchRow] = []
     lines: list[str] = []
     bounds: dict[tuple, BoundResult] = {}
@@ -209,17 +227,18 @@ def run_online_bench(
         return bounds[key]
 
     for temp in temperatures:
+        bounded = bound if isinstance(bound, bool) else temp in bound
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
         for name, knobs in policies:
             progress(f"T={temp:g} {name} {knobs or ''}")
             row = bench_policy(pair, prompts, name, knobs, temp, max_new_tokens, artifacts)
             _price(row, pair, prompts, artifacts)
-            if not row.tree:
+            if bounded and not row.tree:
                 row.bound = bound_of(row, temp)
             rows.append(row)
-        if not quick:
+        if assisted:
             rows.append(bench_assisted(pair, prompts, temp, max_new_tokens))
-        if temp == 0:
+        if temp == 0 and bounded:
             # The oracle's own decisions on the greedy text, decoded online.
             ar_row = next(r for r in rows if r.label == "ar" and r.temperature == 0)
             greedy = bound_of(ar_row, 0.0)

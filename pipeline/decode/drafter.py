@@ -36,6 +36,7 @@ class Drafter:
         self.committed_len = 0
         self._tree_parents: list[int] = []  # nodes appended to the cache this step
         self.hidden: torch.Tensor | None = None  # [rows, hidden] of the last forward
+        self.logits: torch.Tensor | None = None  # [rows, vocab] of the last forward
         self.root_context: torch.Tensor | None = None
         self._last_committed_hidden: torch.Tensor | None = None
         self.limits = limits
@@ -60,7 +61,8 @@ class Drafter:
             t, past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kw
         )
         self.hidden = out.hidden_states[-1][0]
-        return out.logits[0]
+        self.logits = out.logits[0]
+        return self.logits
 
     def prefill(self, ids: list[int]) -> None:
         """Feed the prompt (all but its last token) before the first step, as the target's

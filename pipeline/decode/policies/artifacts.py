@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.acceptance.model import AcceptanceModel
 from pipeline.cost.model import CostModel
 from pipeline.cost.provenance import pair_provenance
 from pipeline.models.loading import REPO_ROOT, ModelPair
@@ -25,6 +26,7 @@ MODELS_DIR = REPO_ROOT / "models"
 DEFAULT_PREDICTOR = MODELS_DIR / "predictor"
 DEFAULT_COSTMODEL = MODELS_DIR / "costmodel.json"
 DEFAULT_POLICY = MODELS_DIR / "policy.json"
+DEFAULT_ACCEPTANCE = MODELS_DIR / "acceptance.json"
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class PolicyArtifacts:
     predictor: ExpertPredictor
     cost: CostModel
     lam: float  # ms of expected cost per token of expected progress
+    # The draft's acceptance learned offline (jobs.train_acceptance); None: not trained.
+    acceptance: AcceptanceModel | None = None
 
     def check_target(self, num_moe_layers: int, num_experts: int) -> None:
         """A predictor trained for another target would price the wrong experts."""
@@ -51,7 +55,23 @@ class PolicyArtifacts:
         checkpoints (CostModel.check_measured_on: a CostModelMismatchError listing every
         difference, or with ``allow_mismatch`` a logged warning; the differences returned)."""
         self.check_target(pair.spec.num_moe_layers, pair.spec.num_experts)
+        self.check_acceptance(pair)
         return self.cost.check_measured_on(pair_provenance(pair), allow_mismatch)
+
+    def check_acceptance(self, pair: ModelPair) -> None:
+        """An acceptance model learned on another draft or target predicts the wrong rates."""
+        if self.acceptance is None:
+            return
+        trained = self.acceptance.meta.get("pair", {})
+        here = pair_provenance(pair)
+        for role in ("target", "draft"):
+            key = f"{role}_fingerprint"
+            if trained.get(key) and here.get(key) and trained[key] != here[key]:
+                raise ValueError(
+                    f"the acceptance model was learned with {role} {trained.get(f'{role}_model')}"
+                    f" ({trained[key]}), not {here.get(f'{role}_model')} ({here[key]}): train "
+                    "one for this pair with python -m jobs.train_acceptance"
+                )
 
 
 def read_lambda(path: Path) -> float:
@@ -75,9 +95,14 @@ def load_artifacts(
     costmodel: Path = DEFAULT_COSTMODEL,
     policy: Path = DEFAULT_POLICY,
     device: str = "cpu",
+    acceptance: Path | None = DEFAULT_ACCEPTANCE,
 ) -> PolicyArtifacts:
-    """Loaded once per process and set of paths (servers build a policy per request)."""
+    """Loaded once per process and set of paths (servers build a policy per request). A
+    missing acceptance model is left None (the policies that need it say so when built)."""
+    accept = None
+    if acceptance is not None and Path(acceptance).exists():
+        accept = AcceptanceModel.load(Path(acceptance))
     return PolicyArtifacts(
         LearnedExpertPredictor.load(predictor, device), CostModel.load(costmodel),
-        read_lambda(policy),
+        read_lambda(policy), accept,
     )  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.decode.policies.adaedl import AdaEDLPolicy
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.cascade import CascadePolicy
@@ -23,6 +24,8 @@ from pipeline.decode.policies.simple import (
     FixedPolicy,
     HeuristicPolicy,
 )
+from pipeline.decode.policies.specdec import SpecDecPolicy
+from pipeline.decode.policies.throughput import ThroughputPolicy
 from pipeline.decode.policies.tree import TreePolicy
 
 POLICIES: dict[str, type[Policy]] = {
@@ -37,6 +40,9 @@ POLICIES: dict[str, type[Policy]] = {
         EcoSpecGlobalPolicy,
         MarginalPolicy,
         CascadePolicy,
+        AdaEDLPolicy,
+        SpecDecPolicy,
+        ThroughputPolicy,
     )
 }
 POLICY_NAMES = tuple(POLICIES)  # the built-in ones; register_policy adds to POLICIES

@@ -1,0 +1,116 @@
+"""Learn how often the target accepts the draft's tokens, from what the draft has computed, and
+save it (acceptance.json) where the `throughput` policy loads it.
+
+The target decodes each prompt at each temperature; one teacher-forced pass of both models
+over the text labels every position with what verification would do with the draft's token
+(T = 0: the draft's argmax is the target's token; T > 0: sum min(p, q)). Two logistic models
+per mode read the draft's confidence, entropy and top-2 margin and the generation's recent
+acceptance: one for the token about to be drafted, one for the token after it (so that
+extending a chain is decided without the forward that would show it). Also records the mean
+expert union of m consecutive positions, what a verification of m positions computes.
+
+The benchmark's prompts are the first --limit of each domain; training skips the first
+--skip (16) of each domain, so a bench with --limit <= 16 runs on prompts never trained on.
+
+    python -m jobs.train_acceptance                                  # models/acceptance.json
+    python -m jobs.train_acceptance --draft models/draft-2layer \\
+        --out models/draft-2layer/acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from jobs.cli import add_model_args, parser, run, torch_threads
+from pipeline.acceptance.training import train_acceptance
+from pipeline.data.domains import DOMAINS, load_domain
+from pipeline.models.loading import REPO_ROOT, load_pair
+from pipeline.tracking import tracked_run
+
+DEFAULT_OUT = REPO_ROOT / "models" / "acceptance.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("jobs.train_acceptance", __doc__)
+    add_model_args(p)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to save ({DEFAULT_OUT})")
+    p.add_argument("--per-domain", type=int, default=24, help="prompts per domain (24)")
+    p.add_argument("--skip", type=int, default=16,
+                   help="leading prompts of each domain left out: the bench's (16)")  # fmt: skip
+    p.add_argument(
+        "--temperatures",
+        default="0,0.5,1",
+        help="comma-separated; 0 trains the greedy part, > 0 the sampled (0,0.5,1)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens traced per prompt (96)")
+    p.add_argument(
+        "--max-m",
+        type=int,
+        default=13,
+        help="largest verification pass whose expert union is recorded (13)",
+    )
+    p.add_argument("--decay", type=float, default=0.8, help="recent acceptance's EMA decay (0.8)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        help="an .npz to save the traces to, or to refit from when it exists",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}")
+    if not args.temperatures or min(args.temperatures) < 0:
+        p.error("--temperatures needs at least one value, none negative")
+    if args.per_domain < 1 or args.skip < 0 or args.max_new_tokens < 2 or args.max_m < 1:
+        p.error("--per-domain, --max-new-tokens >= 2, --max-m >= 1 and --skip >= 0, please")
+    if not 0 < args.decay < 1:
+        p.error("--decay must lie in (0, 1)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
+    prompts = [p for name in DOMAINS
+               for p in load_domain(name, args.skip + args.per_domain)[args.skip :]]  # fmt: skip
+    print(
+        f"tracing {len(prompts)} prompts x T in {args.temperatures}, "
+        f"{args.max_new_tokens} tokens each",
+        flush=True,
+    )
+    with torch_threads(args.threads):
+        model, report = train_acceptance(
+            pair, prompts, args.temperatures, args.max_new_tokens, args.max_m, args.out,
+            args.decay, args.seed, log=lambda line: print(line, flush=True),
+            traces_path=args.traces,
+        )  # fmt: skip
+    for mode, scores in report.items():
+        for kind in ("current", "next", "head"):
+            s = scores.get(kind)
+            if s:
+                print(
+                    f"{mode:8s} {kind:8s} held out: {s['n']} positions, "
+                    f"mean {s['mean_label']:.3f}"
+                    f", log loss {s['log_loss']:.3f} (constant {s['log_loss_constant']:.3f}, "
+                    f"raw confidence {s.get('log_loss_confidence', float('nan')):.3f}), "
+                    f"Brier {s['brier']:.3f}"
+                )
+    print("expert union per layer by m:", ", ".join(f"{u:.1f}" for u in model.union_by_m))
+    print("saved", args.out)
+    with tracked_run("train_acceptance", params={k: str(v) for k, v in vars(args).items()}) as t:
+        for mode, scores in report.items():
+            for kind in ("current", "next"):
+                if scores.get(kind):
+                    t.log_metrics({f"{mode}_{kind}_log_loss": scores[kind]["log_loss"]})
+        t.log_artifact(str(args.out))
+    return json.loads(json.dumps(report))
+
+
+if __name__ == "__main__":
+    run(main)

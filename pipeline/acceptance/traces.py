@@ -1,0 +1,151 @@
+"""Acceptance traces: what the draft would have proposed at every position of text the target
+itself generated, and whether the target would have accepted it.
+
+For each prompt the target decodes a continuation at the given temperature (greedy: exactly
+the text T = 0 speculative decoding commits). One teacher-forced pass of each model over
+prompt + continuation then gives, at every generated position i, the draft's distribution q_i
+and the target's p_i given the true prefix. The label is what verification would do with the
+draft's token there: at T = 0 whether the draft's argmax is the target's token (a chain is
+accepted up to its first miss, so the label of a position reached by a chain is exactly its
+outcome), when sampling the probability sum_x min(p_i(x), q_i(x)) that a token drawn from q_i
+is accepted. The target's routing of the same pass gives the mean union of experts per layer
+over m consecutive positions, what a verification pass of m positions computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.acceptance.features import distribution_stats
+from pipeline.data.prompts import Prompt
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.simple import AutoregressivePolicy
+from pipeline.decode.types import SamplingConfig
+from pipeline.models.loading import ModelPair
+from pipeline.models.routing import forward_with_routing, unique_experts_per_layer
+
+
+@dataclass
+class AcceptanceTrace:
+    """One generated continuation: per position the draft's distribution stats and the label."""
+
+    prompt_id: str
+    temperature: float
+    stats: np.ndarray  # [n, 4] distribution_stats of q_i
+    labels: np.ndarray  # [n] match (T = 0) or sum min(p, q) (T > 0)
+    # [n, hidden] the draft's last-layer state that produced q_i (what a SpecDec++-style
+    # acceptance head reads)
+    hidden: np.ndarray | None = None
+
+
+@dataclass
+class UnionCounts:
+    """Sum and count of the mean-over-layers expert union of windows of m positions."""
+
+    sums: np.ndarray  # [max_m]
+    counts: np.ndarray  # [max_m]
+
+    def add(self, other: UnionCounts) -> None:
+        self.sums += other.sums
+        self.counts += other.counts
+
+    def means(self) -> list[float]:
+        return [
+            float(s / c) if c else float("nan") for s, c in zip(self.sums, self.counts, strict=True)
+        ]
+
+
+def prompt_ids(pair: ModelPair, prompt: Prompt) -> list[int]:
+    return pair.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def trace_prompt(
+    pair: ModelPair, prompt: Prompt, sampling: SamplingConfig, max_new_tokens: int, seed: int,
+    max_m: int,
+) -> tuple[AcceptanceTrace, UnionCounts]:  # fmt: skip
+    ids = prompt_ids(pair, prompt)
+    engine = SpeculativeEngine(pair)
+    gen = engine.generate(ids, AutoregressivePolicy(), max_new_tokens, sampling, seed=seed,
+                          stop_at_eos=False)  # fmt: skip
+    full = torch.tensor([ids + gen.tokens], device=pair.device)
+    start, n = len(ids) - 1, len(gen.tokens)  # logits at start + i predict gen.tokens[i]
+    out, routing = forward_with_routing(pair.target, pair.spec, full)
+    p = sampling.probs(out.logits[0, start : start + n])
+    draft_out = pair.draft(full, output_hidden_states=True)
+    q = sampling.probs(draft_out.logits[0, start : start + n])
+    hidden = draft_out.hidden_states[-1][0, start : start + n]
+    if sampling.greedy:
+        target_tokens = torch.tensor(gen.tokens, device=q.device)
+        labels = (q.argmax(-1) == target_tokens).float()
+    else:
+        labels = torch.minimum(p, q).sum(-1)
+    stats = distribution_stats(q)
+    # Verification passes start at the last committed token: windows over positions start ...
+    routing = routing[0, start : start + n]
+    sums, counts = np.zeros(max_m), np.zeros(max_m)
+    for m in range(1, max_m + 1):
+        for i in range(0, n - m + 1, max(1, m // 2)):
+            u = unique_experts_per_layer(routing[i : i + m], pair.spec.num_experts)
+            sums[m - 1] += float(u.float().mean())
+            counts[m - 1] += 1
+    trace = AcceptanceTrace(prompt.prompt_id, sampling.temperature,
+                            stats.cpu().numpy().astype(np.float64),
+                            labels.cpu().numpy().astype(np.float64),
+                            hidden.float().cpu().numpy())  # fmt: skip
+    return trace, UnionCounts(sums, counts)
+
+
+def collect_traces(
+    pair: ModelPair, prompts: list[Prompt], temperatures: list[float], max_new_tokens: int,
+    max_m: int, seed: int = 0, log: Callable[[str], None] = print,
+) -> tuple[list[AcceptanceTrace], UnionCounts]:  # fmt: skip
+    """Traces of every prompt at every temperature (sampled continuations seeded per prompt),
+    and the expert-union counts of the greedy ones (or of all when none is greedy)."""
+    traces: list[AcceptanceTrace] = []
+    unions = UnionCounts(np.zeros(max_m), np.zeros(max_m))
+    use_all = all(t > 0 for t in temperatures)
+    for t_index, temperature in enumerate(temperatures):
+        sampling = SamplingConfig(temperature=temperature)
+        for p_index, prompt in enumerate(prompts):
+            trace, counts = trace_prompt(pair, prompt, sampling, max_new_tokens,
+                                         seed + 1000 * t_index + p_index, max_m)  # fmt: skip
+            traces.append(trace)
+            if sampling.greedy or use_all:
+                unions.add(counts)
+        rate = np.mean(np.concatenate([t.labels for t in traces if t.temperature == temperature]))
+        log(f"  T={temperature:g}: {len(prompts)} prompts traced, mean acceptance {rate:.3f}")
+    return traces, unions
+
+
+def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts) -> None:
+    """One .npz (concatenated arrays and offsets), so a refit need not decode again."""
+    lengths = np.array([len(t.labels) for t in traces])
+    np.savez_compressed(
+        path, prompt_ids=np.array([t.prompt_id for t in traces]),
+        temperatures=np.array([t.temperature for t in traces]), lengths=lengths,
+        stats=np.concatenate([t.stats for t in traces]),
+        labels=np.concatenate([t.labels for t in traces]),
+        hidden=np.concatenate([t.hidden for t in traces]),
+        union_sums=unions.sums, union_counts=unions.counts,
+    )  # fmt: skip
+
+
+def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts]:
+    data = np.load(path)
+    ends = np.cumsum(data["lengths"])
+    starts = ends - data["lengths"]
+    traces = [
+        AcceptanceTrace(
+            str(pid), float(temp), data["stats"][a:b], data["labels"][a:b], data["hidden"][a:b]
+        )  # fmt: skip
+        for pid, temp, a, b in zip(
+            data["prompt_ids"], data["temperatures"], starts, ends, strict=True
+        )  # fmt: skip
+    ]
+    return traces, UnionCounts(data["union_sums"], data["union_counts"])

@@ -1,0 +1,195 @@
+"""Fitting the acceptance model on traces: logistic regressions by Newton's method (labels may
+be probabilities: the sampled mode's sum min(p, q)), split by prompt, with held-out log loss,
+Brier score and calibration against the draft's raw confidence and a constant."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.acceptance.features import FEATURE_NAMES
+from pipeline.acceptance.model import RECENT, AcceptanceModel, ModeModel
+from pipeline.acceptance.traces import (
+    AcceptanceTrace,
+    collect_traces,
+    load_traces,
+    save_traces,
+)
+from pipeline.cost.provenance import pair_provenance
+from pipeline.data.prompts import Prompt
+from pipeline.models.loading import ModelPair
+
+CONF = FEATURE_NAMES.index("conf") - 1  # its column in a trace's stats
+
+
+def design(traces: list[AcceptanceTrace], decay: float, prior: float, shift: int,
+           hidden: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Rows [bias, stats_i, recent_i] (then the draft's hidden state at i with ``hidden``),
+    labels of position i + shift (0: current, 1: next) and row weights. recent_i is the moving
+    average of labels before i, from ``prior``: the outcomes the policy has seen when it
+    decides at position i. For `next` a row is weighted by label_i: position i + 1 matters to a
+    chain only when token i is accepted, so `next` is P(accept i + 1 | i accepted)."""
+    xs, ys, ws = [], [], []
+    for t in traces:
+        n = len(t.labels)
+        recent = np.empty(n)
+        r = prior
+        for i in range(n):
+            recent[i] = r
+            r = decay * r + (1 - decay) * t.labels[i]
+        rows = np.column_stack([np.ones(n), t.stats, recent, *([t.hidden] if hidden else [])])
+        xs.append(rows[: n - shift])
+        ys.append(t.labels[shift:])
+        ws.append(t.labels[: n - shift] if shift else np.ones(n))
+    return np.concatenate(xs), np.concatenate(ys), np.concatenate(ws)
+
+
+def head_design(traces: list[AcceptanceTrace]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [1, hidden state that produced q_i] and labels of position i (the head's data)."""
+    xs = [np.column_stack([np.ones(len(t.labels)), t.hidden]) for t in traces]
+    return np.concatenate(xs), np.concatenate([t.labels for t in traces])
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-3, iters: int = 50,
+                 weights: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """Newton's method on the (soft-label, row-weighted) cross-entropy with a small ridge off
+    the bias."""
+    sw = np.ones(len(y)) if weights is None else weights
+    w = np.zeros(x.shape[1])
+    ridge = l2 * sw.sum() * np.eye(x.shape[1])
+    ridge[0, 0] = 0.0
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-(x @ w)))
+        grad = x.T @ (sw * (p - y)) + ridge @ w
+        hess = (x * (sw * p * (1 - p))[:, None]).T @ x + ridge + 1e-9 * np.eye(len(w))
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return w
+
+
+def log_loss(p: np.ndarray, y: np.ndarray) -> float:
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
+@dataclass
+class Scores:
+    n: int
+    mean_label: float
+    log_loss: float
+    brier: float
+    log_loss_constant: float  # the training mean for everyone
+    log_loss_confidence: float  # the draft's raw confidence as the probability
+    calibration: list[tuple[float, float, int]]  # (mean predicted, mean label, n) per decile
+
+    def row(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def score(w: np.ndarray, x: np.ndarray, y: np.ndarray, train_mean: float,
+          weights: np.ndarray | None = None) -> Scores:  # fmt: skip
+    """Held-out scores; rows with weight 0 (a `next` row after a rejection) are left out and
+    soft weights are treated as inclusion (the greedy mode's are 0 or 1)."""
+    if weights is not None:
+        keep = weights > 0
+        x, y = x[keep], y[keep]
+    p = 1 / (1 + np.exp(-(x @ w)))
+    order = np.argsort(p)
+    calibration = [(float(p[idx].mean()), float(y[idx].mean()), len(idx))
+                   for idx in np.array_split(order, 10) if len(idx)]  # fmt: skip
+    return Scores(len(y), float(y.mean()), log_loss(p, y), float(np.mean((p - y) ** 2)),
+                  log_loss(np.full_like(y, train_mean), y), log_loss(x[:, 1 + CONF], y),
+                  calibration)  # fmt: skip
+
+
+def fit_acceptance(
+    traces: list[AcceptanceTrace], union_by_m: list[float], decay: float = 0.8,
+    heldout_every: int = 5, meta: dict | None = None, hidden: bool = True,
+) -> tuple[AcceptanceModel, dict]:  # fmt: skip
+    """The model on all traces, and a report of the same fit's scores on every
+    ``heldout_every``-th prompt held out (fitted on the others). With ``hidden`` the models
+    also read the draft's hidden state (ridge-regularised, like the head)."""
+    l2 = 1e-2 if hidden else 1e-3
+    modes: dict[str, ModeModel] = {}
+    report: dict = {}
+    for mode, pick in (("greedy", lambda t: t.temperature <= 0),
+                       ("sampled", lambda t: t.temperature > 0)):  # fmt: skip
+        chosen = [t for t in traces if pick(t)]
+        if not chosen:
+            continue
+        ids = sorted({t.prompt_id for t in chosen})
+        held = set(ids[::heldout_every])
+        train = [t for t in chosen if t.prompt_id not in held]
+        test = [t for t in chosen if t.prompt_id in held]
+        prior = float(np.mean(np.concatenate([t.labels for t in chosen])))
+        weights, mode_report = {}, {"prompts": len(ids), "heldout_prompts": len(held)}
+        for kind, shift in (("current", 0), ("next", 1)):
+            x_tr, y_tr, w_tr = design(train, decay, prior, shift, hidden)
+            w_held = fit_logistic(x_tr, y_tr, l2, weights=w_tr)
+            if test:
+                x_te, y_te, w_te = design(test, decay, prior, shift, hidden)
+                mean = float(np.average(y_tr, weights=w_tr))
+                mode_report[kind] = score(w_held, x_te, y_te, mean, w_te).row()
+            x_all, y_all, w_all = design(chosen, decay, prior, shift, hidden)
+            weights[kind] = [float(v) for v in fit_logistic(x_all, y_all, l2, weights=w_all)]
+        x_head, y_head = head_design(chosen)
+        head = fit_logistic(x_head, y_head, l2=1e-2)
+        if test:
+            train_x, train_y = head_design(train)
+            x_te, y_te = head_design(test)
+            held = score(fit_logistic(train_x, train_y, l2=1e-2), x_te, y_te, float(train_y.mean()))
+            mode_report["head"] = {k: v for k, v in held.row().items()
+                                   if k != "log_loss_confidence"}  # fmt: skip
+        x_all, _, _ = design(chosen, decay, prior, 0, hidden)
+        # Without the recent term, which is added back at decision time.
+        w_cur = np.array(weights["current"])
+        w_cur[RECENT] = 0.0
+        logits = x_all @ w_cur
+        spread = [float(v) for v in np.quantile(logits, np.arange(0.05, 1.0, 0.1))]
+        modes[mode] = ModeModel(weights["current"], weights["next"], prior,
+                                [float(v) for v in head], spread)  # fmt: skip
+        report[mode] = mode_report
+    if not modes:
+        raise ValueError("no traces to fit the acceptance model on")
+    return AcceptanceModel(modes, union_by_m, decay, dict(meta or {}, fit=report)), report
+
+
+def train_acceptance(
+    pair: ModelPair, prompts: list[Prompt], temperatures: list[float], max_new_tokens: int,
+    max_m: int, out: Path, decay: float = 0.8, seed: int = 0,
+    log: Callable[[str], None] = print, traces_path: Path | None = None,
+) -> tuple[AcceptanceModel, dict]:  # fmt: skip
+    """Trace ``prompts`` at every temperature, fit, save to ``out`` (acceptance.json); the
+    model and its held-out report. ``traces_path``: the traces are saved there, or read from
+    there when it exists (a refit without decoding again)."""
+    t0 = time.perf_counter()
+    if traces_path is not None and Path(traces_path).exists():
+        traces, unions = load_traces(Path(traces_path))
+        log(f"  {len(traces)} traces read from {traces_path}")
+    else:
+        traces, unions = collect_traces(pair, prompts, temperatures, max_new_tokens, max_m,
+                                        seed, log)  # fmt: skip
+        if traces_path is not None:
+            save_traces(Path(traces_path), traces, unions)
+    meta = {
+        "pair": {
+            k: v
+            for k, v in pair_provenance(pair).items()
+            if k in ("target_model", "target_fingerprint", "draft_model", "draft_fingerprint")
+        },  # fmt: skip
+        "prompts": [p.prompt_id for p in prompts],
+        "temperatures": temperatures,
+        "max_new_tokens": max_new_tokens,
+        "positions": int(sum(len(t.labels) for t in traces)),
+        "trace_seconds": round(time.perf_counter() - t0, 1),
+    }
+    model, report = fit_acceptance(traces, unions.means(), decay, meta=meta)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    model.save(Path(out))
+    return model, report

@@ -1,0 +1,280 @@
+"""`throughput` (ours): draft a token only while it is expected to pay for itself at the rate
+this generation is making tokens, with acceptance learned offline from the pair's own traces.
+
+Maximising tokens per unit of time is a renewal-reward problem: with rho the cost per token
+the policy achieves, a step's plan of n more draft tokens is worth rho * E[tokens it adds]
+minus its modelled cost, and the best rho is the one the policy itself then achieves
+(Dinkelbach's fixed point). So rho is the generation's own modelled cost per token (the ratio
+of slow moving sums of step prices and new tokens, starting from the optimum of a chain whose
+tokens are accepted at the training mean rate), and
+each decision asks whether some plan of n = 1, 2, ... more tokens has positive worth:
+
+    max_n  rho * P * sum_{i<=n} prod_{l<=i} a_l  -  [dT_D(forwards) + dT_T(m -> m + n, U(m + n))]
+
+P is the probability that the chain drafted so far is accepted; a_1 is the acceptance of the
+next token, a_2.. that of the ones after it; U(m) the mean experts per layer of a pass of m
+positions; T_D and T_T are the calibrated cost model (costmodel.json). Acceptance comes from
+pipeline.acceptance (acceptance.json): logistic models over the draft's confidence, entropy
+and top-2 margin and the generation's recent acceptance. The draft's raw confidence
+understates greedy acceptance; this model is calibrated on what the target actually did.
+
+Decisions cost no draft forward. Drafting the next token is decided once its distribution is
+known (its forward already ran: the `current` model); running the forward for the token after
+it is decided before that forward, from the `next` model. Before any forward the step decides
+whether to draft at all from recent acceptance alone; when it does not, the step is a plain
+one (speculation off), and every ``probe_every`` plain steps one step drafts anyway so that
+recent acceptance keeps being measured. Decisions are made before sampling, or after a token
+is drawn about tokens after it, never about the drawn token itself, which keeps sampling
+lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pipeline.acceptance.features import stats_of
+from pipeline.acceptance.model import AcceptanceModel, ModeModel
+from pipeline.cost.model import CostModel
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.types import Candidates, StepOutcome
+
+if TYPE_CHECKING:
+    from pipeline.decode.policies.artifacts import PolicyArtifacts
+
+DEFAULT_MAX_K = 12
+# The rate is a slow average: a few lucky or unlucky steps must not swing it (the realized
+# cost per token over 3-4 steps is far noisier than the optimum it estimates). It starts from
+# the optimum of a chain whose every token is accepted at the model's training mean, worth
+# PRIOR_TOKENS tokens, and forgets by RATE_DECAY per step.
+RATE_DECAY = 0.95
+PRIOR_TOKENS = 16.0
+
+
+@dataclass
+class ThroughputPolicy(Policy):
+    cost: CostModel
+    acceptance: AcceptanceModel
+    max_k: int | None = None  # None: the cost model's largest m - 1, at most DEFAULT_MAX_K
+    probe_every: int = 8
+    rate: float | None = None  # fixed ms per token instead of the generation's own
+    step_overhead_ms: float = 0.0
+    name = "throughput"
+    summary = ("ours: draft while a token's expected value at the generation's own cost per "
+               "token exceeds its modelled cost (acceptance learned offline)")  # fmt: skip
+    needs_artifacts = True
+    knobs = (
+        step_knob("max_k", None, "longest chain (default: the cost model's largest m - 1, at "
+                  f"most {DEFAULT_MAX_K})"),
+        Knob("probe_every", int, 8, 1, 64,
+             help="plain steps, while drafting does not pay, between two that draft anyway"),
+        Knob("step_overhead_ms", float, 0.0, 0.0, 100.0,
+             help="ms a step costs beyond its modelled forwards (the engine's own work): "
+                  "counted in the rate, so fewer, longer steps are worth a little more"),
+        Knob("rate", float, None, 0.0, low_open=True, title="rate",
+             help="ms per token a drafted token is worth (default: the generation's own "
+                  "modelled cost per token, as it goes)"),
+    )  # fmt: skip
+    # (step kind, drafted, rate) of the generation's steps, for inspection.
+    decisions: list[tuple[str, int, float]] = field(default_factory=list, init=False)
+
+    @classmethod
+    def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
+        assert artifacts is not None
+        if artifacts.acceptance is None:
+            raise ValueError("throughput needs an acceptance model (acceptance.json): train "
+                             "one with python -m jobs.train_acceptance")  # fmt: skip
+        return cls(artifacts.cost, artifacts.acceptance, **knobs)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_k is None:
+            self.max_k = min(DEFAULT_MAX_K, self.cost.max_m - 1)
+        need = range(1, self.max_k + 2)
+        if self.max_k < 1 or self.cost.missing_m(need):
+            raise ValueError(
+                f"throughput: max_k must lie in [1, {self.cost.max_m - 1}] (the cost model's "
+                f"largest m - 1), got {self.max_k}: " + self.cost.missing_m_message(need)
+            )
+        self.reset()
+
+    def reset(self) -> None:
+        self._recent: float | None = None  # moving average of acceptance outcomes
+        self._price_sum: float | None = None  # decayed sums of step prices and new tokens
+        self._token_sum = 0.0
+        self._plain_run = 0
+        self._ctx = 0
+        self._observed_upto = -1  # the last text position whose draft outcome is counted
+        self._catchup: list[bool] = []  # outcomes seen in this step's catch-up (greedy)
+        self._prior = 0.0  # the mode's training mean, set by propose
+        self.decisions = []
+
+    def step_work(self) -> StepWork:
+        assert self.max_k is not None
+        k = self.max_k
+        # Catch-up: the last drafting step's tokens (<= k + 1) and up to probe_every plain
+        # steps' after it; then k - 1 extends.
+        return StepWork(k, 2 * k + self.probe_every, k + 1,
+                        f"max_k {k}, probe_every {self.probe_every}")  # fmt: skip
+
+    # -- pricing -------------------------------------------------------------------------
+    def _t_target(self, m: int) -> float:
+        return self.cost.t_target(m, self.acceptance.union(m), self._ctx)
+
+    def _price_tables(self) -> None:
+        """This step's T_T(m) for m = 1 .. max_k + 1 and T_D(n) for n = 0 .. max_k: every
+        plan is then priced by arithmetic on two short lists."""
+        assert self.max_k is not None
+        self._tt = [0.0] + [self._t_target(m) for m in range(1, self.max_k + 2)]
+        self._td = [self.cost.t_draft(n) for n in range(self.max_k + 1)]
+
+    def _rate(self) -> float:
+        """ms per token a drafted token is worth: the knob, else the generation's own."""
+        return self.rate if self.rate is not None else self.achieved_rate()
+
+    def achieved_rate(self) -> float:
+        """The generation's modelled cost per token so far (decayed sums, with the prior)."""
+        if self._price_sum is None:
+            self._price_sum = PRIOR_TOKENS * self.stationary_rate(self._prior)
+            self._token_sum = PRIOR_TOKENS
+        return self._price_sum / self._token_sum
+
+    def stationary_rate(self, a: float) -> float:
+        """The least modelled cost per token of a chain of n = 0 .. max_k tokens each accepted
+        with probability a (n = 0: a plain step)."""
+        assert self.max_k is not None
+        extra = self.step_overhead_ms
+        best = self._t_target(1) + extra
+        tokens = 1.0
+        for n in range(1, self.max_k + 1):
+            tokens += a**n
+            best = min(best, (self.cost.t_draft(n) + self._t_target(n + 1) + extra) / tokens)
+        return best
+
+    def _worth(self, rho: float, p: float, accs: list[float], m: int, forwards: int,
+               first_free: bool) -> float:  # fmt: skip
+        """The best worth over plans of n = 1 .. len(accs) more tokens (module docstring):
+        rho * expected tokens gained minus the extra modelled cost. ``first_free``: the first
+        token's distribution is already computed."""
+        td, tt = self._td, self._tt
+        t_d0, t_t0 = td[forwards], tt[m]
+        gain, best = 0.0, float("-inf")
+        for n, a in enumerate(accs, 1):
+            p *= a
+            gain += rho * p
+            more = forwards + (n - 1 if first_free else n)
+            best = max(best, gain - (td[more] - t_d0) - (tt[m + n] - t_t0))
+        return best
+
+    def _pays(self, rho: float, p: float, accs: list[float], m: int, forwards: int,
+              first_free: bool) -> bool:  # fmt: skip
+        """_worth(...) > 0, stopping at the first plan that pays (most decisions to go on)."""
+        td, tt = self._td, self._tt
+        t_d0, t_t0 = td[forwards], tt[m]
+        gain = 0.0
+        for n, a in enumerate(accs, 1):
+            p *= a
+            gain += rho * p
+            more = forwards + (n - 1 if first_free else n)
+            if gain > (td[more] - t_d0) + (tt[m + n] - t_t0):
+                return True
+        return False
+
+    def _look_pays(self, rho: float, mode: ModeModel, recent: float) -> bool:
+        """Before any draft forward: is looking at the next distribution worth its forward?
+        After the look the step drafts only if that pays, so the look is worth
+        E[max(worth of drafting, -its forward)] over how the next token's acceptance spreads
+        around recent acceptance; a plain step is worth 0."""
+        assert self.max_k is not None
+        look = self._td[1]
+        total = 0.0
+        spread = mode.spread_around(recent)
+        for a in spread:
+            total += max(self._worth(rho, 1.0, [a] * self.max_k, 1, 0, first_free=False), -look)
+        return total / len(spread) > 0
+
+    # -- the step ------------------------------------------------------------------------
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        assert self.max_k is not None
+        mode: ModeModel = self.acceptance.mode(drafter.sampling.greedy)
+        self._prior = mode.prior
+        recent = mode.prior if self._recent is None else self._recent
+        self._ctx = len(committed)
+        rho, k_max = self._rate(), self.max_k
+        self._price_tables()
+        cands = Candidates()
+        probe = self._plain_run >= self.probe_every
+        if not probe and not self._look_pays(rho, mode, recent):
+            return cands  # speculation off for this step: no draft forward at all
+        cached = drafter.cache.get_seq_length()
+        probs = drafter.begin(committed)
+        if drafter.sampling.greedy:
+            recent = self._observe_catchup(drafter, committed, cached, recent)
+        p_chain, decay = 1.0, self.acceptance.decay
+        for j in range(k_max):
+            stats = stats_of(probs)
+            state = drafter.hidden[-1]  # the draft's state that produced `probs`
+            # This token, and the ones after it, each given the ones before it accepted.
+            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay)
+            # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
+            if not (probe and j == 0) and not self._pays(
+                rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
+            ):
+                break
+            token = drafter.sample(probs)
+            cands.tokens.append(token)
+            cands.parents.append(j - 1)
+            cands.q.append(None if drafter.sampling.greedy else probs)
+            cands.confidences.append(float(probs[token]))
+            p_chain *= a_now
+            # Later tokens count only if this one is accepted: their features see it so.
+            recent = decay * recent + (1 - decay)
+            if not later or not self._pays(rho, p_chain, later, j + 2, j + 1, first_free=False):
+                break
+            probs = drafter.extend(token)
+        return cands
+
+    def _observe_catchup(self, drafter: Drafter, committed: list[int], cached: int,
+                         recent: float) -> float:  # fmt: skip
+        """At T = 0 the catch-up forward shows, for free, whether the draft's argmax matched
+        the committed text at positions no drafted token was judged on (after plain steps):
+        outcomes for recent acceptance, which plain steps would otherwise leave frozen."""
+        assert drafter.logits is not None
+        rows = drafter.logits[:-1].argmax(-1).tolist()  # row r predicts cached + r + 1
+        self._catchup = [tok == committed[cached + r + 1] for r, tok in enumerate(rows)
+                         if cached + r + 1 > self._observed_upto]  # fmt: skip
+        decay = self.acceptance.decay
+        for hit in self._catchup:
+            recent = decay * recent + (1 - decay) * float(hit)
+        return recent
+
+    def update(self, outcome: StepOutcome) -> None:
+        record = outcome.record
+        drafted = len(outcome.candidates)
+        self._plain_run = 0 if drafted or record.draft_forwards else self._plain_run + 1
+        if drafted or self._catchup:
+            decay = self.acceptance.decay
+            recent = self._prior if self._recent is None else self._recent
+            # The first `accepted` tokens were accepted, the next (if any) rejected; later ones
+            # were never judged.
+            judged = min(drafted, outcome.accepted + 1)
+            outcomes = self._catchup + [j < outcome.accepted for j in range(judged)]
+            for hit in outcomes:
+                recent = decay * recent + (1 - decay) * float(hit)
+            self._recent = recent
+            self._observed_upto = self._ctx + judged - 1
+            self._catchup = []
+        u = record.u_bar if record.unique_experts else self.acceptance.union(record.verified)
+        price = (
+            self.cost.t_draft(record.draft_forwards)
+            + self.cost.t_target(record.verified, u, self._ctx)
+            + self.step_overhead_ms
+        )
+        self.achieved_rate()  # the prior sums, if this is the first step
+        assert self._price_sum is not None
+        self._price_sum = RATE_DECAY * self._price_sum + price
+        self._token_sum = RATE_DECAY * self._token_sum + record.new_tokens
+        self.decisions.append(("draft" if drafted else "plain", drafted, self._rate()))

@@ -1,0 +1,139 @@
+"""The acceptance model (pipeline/acceptance): traces label what verification would do, the
+logistic fit recovers known weights from soft labels, recent acceptance only looks back, the
+saved model round-trips and refuses a stale file, and the job trains end to end on the
+embedded models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.acceptance.features import FEATURE_NAMES, distribution_stats, stats_of
+from pipeline.acceptance.model import AcceptanceModel, ModeModel
+from pipeline.acceptance.traces import AcceptanceTrace, trace_prompt
+from pipeline.acceptance.training import design, fit_acceptance, fit_logistic
+from pipeline.data.prompts import Prompt
+from pipeline.decode.types import SamplingConfig
+
+W = len(FEATURE_NAMES)
+
+
+def test_distribution_stats_of_a_known_distribution():
+    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0]])
+    log_conf, conf, entropy, margin = distribution_stats(probs)[0].tolist()
+    assert conf == pytest.approx(0.5) and log_conf == pytest.approx(np.log(0.5))
+    assert entropy == pytest.approx(-(0.5 * np.log(0.5) + 0.5 * np.log(0.25)), rel=1e-6)
+    assert margin == pytest.approx(0.25)
+    assert stats_of(probs[0]) == pytest.approx(distribution_stats(probs)[0].tolist(), rel=1e-6)
+
+
+def test_logistic_fit_recovers_weights_from_soft_labels():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(20000), rng.normal(size=(20000, 2))])
+    w = np.array([0.5, 2.0, -1.0])
+    y = 1 / (1 + np.exp(-(x @ w)))  # probabilities as labels (the sampled mode's)
+    assert fit_logistic(x, y, l2=0.0) == pytest.approx(w, abs=1e-3)
+    # Integer row weights are repeated rows.
+    counts = rng.integers(0, 3, size=len(y)).astype(float)
+    repeated = np.repeat(np.arange(len(y)), counts.astype(int))
+    assert fit_logistic(x, y, l2=0.0, weights=counts) == pytest.approx(
+        fit_logistic(x[repeated], y[repeated], l2=0.0), abs=1e-6
+    )
+
+
+def test_recent_acceptance_only_looks_back():
+    stats = np.zeros((4, 4))
+    trace = AcceptanceTrace("p", 0.0, stats, np.array([1.0, 0.0, 1.0, 1.0]))
+    x, y, w = design([trace], decay=0.5, prior=0.6, shift=0)
+    assert x[:, -1] == pytest.approx([0.6, 0.8, 0.4, 0.7])  # before each position's own label
+    assert y.tolist() == [1.0, 0.0, 1.0, 1.0] and w.tolist() == [1.0] * 4
+    x, y, w = design([trace], decay=0.5, prior=0.6, shift=1)  # `next`: position i's features
+    assert len(x) == 3 and y.tolist() == [0.0, 1.0, 1.0]
+    assert w.tolist() == [1.0, 0.0, 1.0]  # given position i accepted: after a miss, weight 0
+
+
+def _model(**kw) -> AcceptanceModel:
+    mode = ModeModel([0.0] * W, [0.0] * W, 0.7, [0.1, 0.2], [0.3, 0.7, 0.9])
+    return AcceptanceModel({"greedy": mode}, [4.0, 6.0, 7.0], **kw)
+
+
+def test_saved_model_round_trips_and_stale_files_are_refused(tmp_path):
+    path = tmp_path / "acceptance.json"
+    model = _model(meta={"pair": {"draft_model": "d"}})
+    model.save(path)
+    back = AcceptanceModel.load(path)
+    assert back == model
+    assert back.union(2) == 6.0 and back.union(9) == 7.0  # the last value beyond the table
+    raw = json.loads(path.read_text())
+    raw["feature_names"] = ["bias", "conf"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="features .* differ"):
+        AcceptanceModel.load(path)
+    with pytest.raises(FileNotFoundError, match="jobs.train_acceptance"):
+        AcceptanceModel.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="no sampled part"):
+        model.mode(greedy=False)
+
+
+def test_spread_adds_the_recent_acceptance_term_to_each_percentile():
+    w = [0.0] * (W - 1) + [2.0]  # recent's weight 2
+    mode = ModeModel(w, w, 0.7, [], [-1.0, 0.0, 1.0])
+    low, high = mode.spread_around(0.1), mode.spread_around(0.9)
+    assert low == pytest.approx([1 / (1 + np.exp(-(z + 0.2))) for z in (-1.0, 0.0, 1.0)])
+    assert all(a < b for a, b in zip(low, high, strict=True)) and low == sorted(low)
+    assert ModeModel(w, w, 0.7).spread_around(0.5) == pytest.approx([1 / (1 + np.exp(-1.0))])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from pipeline.models.loading import load_pair
+
+    return load_pair()
+
+
+PROMPT = Prompt("t-0", "code", "def add(a, b):\n    return", "test")
+
+
+def test_greedy_trace_labels_are_argmax_matches_on_the_target_text(pair):
+    trace, unions = trace_prompt(pair, PROMPT, SamplingConfig(), 12, seed=0, max_m=4)
+    assert len(trace.labels) == 12 and set(trace.labels.tolist()) <= {0.0, 1.0}
+    assert trace.hidden.shape == (12, pair.draft.config.hidden_size)
+    assert 0 < trace.labels.mean() <= 1  # the embedded draft agrees often
+    means = unions.means()
+    assert means[0] == pytest.approx(pair.spec.top_k)  # one position: exactly top-k experts
+    assert means == sorted(means)  # unions grow with the window
+
+
+def test_sampled_trace_labels_are_acceptance_probabilities(pair):
+    trace, _ = trace_prompt(pair, PROMPT, SamplingConfig(temperature=1.0), 12, seed=0, max_m=2)
+    assert ((trace.labels > 0) & (trace.labels < 1)).all()
+
+
+def test_fit_reports_held_out_scores_against_raw_confidence():
+    rng = np.random.default_rng(1)
+    traces = []
+    for i in range(10):
+        conf = rng.uniform(0.05, 1.0, 200)
+        stats = np.column_stack([np.log(conf), conf, 2 - 2 * conf, conf / 2])
+        labels = (rng.uniform(size=200) < 0.3 + 0.6 * conf).astype(float)
+        traces.append(AcceptanceTrace(f"p{i}", 0.0, stats, labels, rng.normal(size=(200, 3))))
+    model, report = fit_acceptance(traces, [4.0, 6.0], heldout_every=5)
+    scores = report["greedy"]["current"]
+    assert scores["log_loss"] < scores["log_loss_constant"]
+    assert len(model.modes["greedy"].head) == 4 and len(model.modes["greedy"].spread) == 10
+    assert "sampled" not in model.modes
+
+
+@pytest.mark.slow
+def test_train_acceptance_job_end_to_end(tmp_path):
+    from jobs.train_acceptance import main
+
+    out = tmp_path / "acceptance.json"
+    report = main(["--per-domain", "1", "--max-new-tokens", "8", "--temperatures", "0,1",
+                   "--max-m", "3", "--out", str(out)])  # fmt: skip
+    model = AcceptanceModel.load(out)
+    assert set(model.modes) == {"greedy", "sampled"} and len(model.union_by_m) == 3
+    assert model.meta["pair"]["draft_fingerprint"] and set(report) == {"greedy", "sampled"}
