@@ -49,6 +49,14 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def extend_chain(self, token: int, probs: torch.Tensor, greedy: bool) -> None:
+        """Append ``token``, drawn from ``probs``, as the chain's next node (kept for the
+        acceptance rule when sampling; a greedy argmax needs none)."""
+        self.parents.append(len(self.tokens) - 1)
+        self.tokens.append(token)
+        self.q.append(None if greedy else probs)
+        self.confidences.append(float(probs[token]))
+
     @property
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parents))

@@ -50,10 +50,7 @@ class AdaEDLPolicy(Policy):
                 if self.lower_bound(entropy) < self.lam:
                     break
             token = drafter.sample(probs)
-            cands.tokens.append(token)
-            cands.parents.append(j - 1)
-            cands.q.append(None if drafter.sampling.greedy else probs)
-            cands.confidences.append(float(probs[token]))
+            cands.extend_chain(token, probs, drafter.sampling.greedy)
             if j + 1 < self.max_k:
                 probs = drafter.extend(token)
         return cands

@@ -15,6 +15,7 @@ from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:
+    from pipeline.cost.model import CostModel
     from pipeline.decode.policies.artifacts import PolicyArtifacts
 
 
@@ -56,6 +57,21 @@ class Policy:
         """Adapt from the last step (most policies do not)."""
 
 
+def resolve_max_k(name: str, cost: CostModel, max_k: int | None, default: int) -> int:
+    """A cost-aware chain policy's max_k: None takes the cost model's largest m - 1, at most
+    ``default``; a value the cost model cannot price (it needs m up to max_k + 1) is an error
+    naming the m it lacks."""
+    if max_k is None:
+        max_k = min(default, cost.max_m - 1)
+    need = range(1, max_k + 2)
+    if max_k < 1 or cost.missing_m(need):
+        raise ValueError(
+            f"{name}: max_k must lie in [1, {cost.max_m - 1}] (the cost model's largest m - 1), "
+            f"got {max_k}: " + cost.missing_m_message(need)
+        )
+    return max_k
+
+
 def draft_chain(
     drafter: Drafter, committed: list[int], k: int, min_conf: float = 0.0
 ) -> Candidates:
@@ -75,10 +91,7 @@ def draft_chain(
         if j > 0 and float(probs.max()) < min_conf:
             break
         token = drafter.sample(probs)
-        cands.tokens.append(token)
-        cands.parents.append(j - 1)
-        cands.q.append(None if drafter.sampling.greedy else probs)
-        cands.confidences.append(float(probs[token]))
+        cands.extend_chain(token, probs, drafter.sampling.greedy)
         if j + 1 < k:
             probs = drafter.extend(token)
     return cands

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.base import Policy, draft_chain
+from pipeline.decode.policies.base import Policy, draft_chain, resolve_max_k
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
@@ -70,14 +70,7 @@ class CascadePolicy(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_k is None:
-            self.max_k = min(DEFAULT_MAX_K, self.cost.max_m - 1)
-        need = range(1, self.max_k + 2)
-        if self.max_k < 1 or self.cost.missing_m(need):
-            raise ValueError(
-                f"cascade: max_k must lie in [1, {self.cost.max_m - 1}] (the cost model's "
-                f"largest m - 1), got {self.max_k}: " + self.cost.missing_m_message(need)
-            )
+        self.max_k = resolve_max_k(self.name, self.cost, self.max_k, DEFAULT_MAX_K)
         self.reset()
 
     def reset(self) -> None:

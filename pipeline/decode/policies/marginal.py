@@ -158,10 +158,7 @@ class MarginalPolicy(Policy):
             if token != top:  # what is drafted, not what was priced, carries over
                 grown, u_next = self._grow(buffer, token, context)
             q = float(probs[token])
-            cands.tokens.append(token)
-            cands.parents.append(j - 1)
-            cands.q.append(None if drafter.sampling.greedy else probs)
-            cands.confidences.append(q)
+            cands.extend_chain(token, probs, drafter.sampling.greedy)
             p_all, m, buffer, u = p_all * self.accept_probability(q), m + 1, grown, u_next
             if j + 1 < self.max_k:
                 probs = drafter.extend(token)

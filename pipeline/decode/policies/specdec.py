@@ -56,10 +56,7 @@ class SpecDecPolicy(Policy):
         for j in range(self.max_k):
             state = drafter.hidden[-1]  # the state that produced `probs`
             token = drafter.sample(probs)
-            cands.tokens.append(token)
-            cands.parents.append(j - 1)
-            cands.q.append(None if greedy else probs)
-            cands.confidences.append(float(probs[token]))
+            cands.extend_chain(token, probs, greedy)
             p_all *= self.acceptance.head_probability(greedy, state)
             if j + 1 == self.max_k or 1.0 - p_all > self.threshold:
                 break

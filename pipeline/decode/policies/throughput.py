@@ -37,7 +37,7 @@ from pipeline.acceptance.features import stats_of
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.base import Policy, resolve_max_k
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
@@ -91,14 +91,7 @@ class ThroughputPolicy(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_k is None:
-            self.max_k = min(DEFAULT_MAX_K, self.cost.max_m - 1)
-        need = range(1, self.max_k + 2)
-        if self.max_k < 1 or self.cost.missing_m(need):
-            raise ValueError(
-                f"throughput: max_k must lie in [1, {self.cost.max_m - 1}] (the cost model's "
-                f"largest m - 1), got {self.max_k}: " + self.cost.missing_m_message(need)
-            )
+        self.max_k = resolve_max_k(self.name, self.cost, self.max_k, DEFAULT_MAX_K)
         self.reset()
 
     def reset(self) -> None:
@@ -225,10 +218,7 @@ class ThroughputPolicy(Policy):
             ):
                 break
             token = drafter.sample(probs)
-            cands.tokens.append(token)
-            cands.parents.append(j - 1)
-            cands.q.append(None if drafter.sampling.greedy else probs)
-            cands.confidences.append(float(probs[token]))
+            cands.extend_chain(token, probs, drafter.sampling.greedy)
             p_chain *= a_now
             # Later tokens count only if this one is accepted: their features see it so.
             recent = decay * recent + (1 - decay)
