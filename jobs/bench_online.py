@@ -130,6 +130,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 validate_knobs(name, knobs)
         except ValueError as exc:
             p.error(f"--policies: {exc}")
+    try:
+        temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+        args.bound_at = (None if args.bound_at is None else
+                         [float(t) for t in args.bound_at.split(",") if t.strip()])  # fmt: skip
+    except ValueError:
+        p.error("--temperatures and --bound-at take comma-separated numbers")
+    if not temps or min(temps) < 0:
+        p.error("--temperatures needs at least one value, none negative")
+    if args.bound_at is not None and (args.no_bound or not set(args.bound_at) <= set(temps)):
+        p.error("--bound-at: temperatures among --temperatures, and not with --no-bound")
+    if args.threads < 0:
+        p.error("--threads must be >= 0 (0: torch's default)")
     if args.limit < 1 or args.max_new_tokens < 1 or args.lmax < 1:
         p.error("--limit, --max-new-tokens and --lmax must be >= 1")
     if args.domains is not None:
@@ -145,9 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _bound_arg(args: argparse.Namespace) -> bool | list[float]:
     if args.no_bound:
         return False
-    if args.bound_at is None:
-        return True
-    return [float(t) for t in args.bound_at.split(",") if t.strip()]
+    return True if args.bound_at is None else args.bound_at
 
 
 def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: str):

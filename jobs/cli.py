@@ -124,6 +124,8 @@ def parse_policy_specs(text: str) -> list[tuple[str, dict]]:
             key, sep, value = pair.partition("=")
             if not sep or not key:
                 raise ValueError(f"policy {item!r}: knobs are name=value, got {pair!r}")
+            if key in knobs:
+                raise ValueError(f"policy {item!r}: knob {key!r} given twice")
             try:
                 knobs[key] = json.loads(value)
             except json.JSONDecodeError:

@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--temperatures needs at least one value, none negative")
     if args.per_domain < 1 or args.skip < 0 or args.max_new_tokens < 2 or args.max_m < 1:
         p.error("--per-domain, --max-new-tokens >= 2, --max-m >= 1 and --skip >= 0, please")
+    if args.max_new_tokens < args.max_m:
+        p.error(
+            f"--max-new-tokens ({args.max_new_tokens}) must be >= --max-m ({args.max_m}): "
+            "every pass size needs windows of the traced text"
+        )
     if not 0 < args.decay < 1:
         p.error("--decay must lie in (0, 1)")
     return args

@@ -26,7 +26,12 @@ from pipeline.tracking import tracked_run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_tiny", __doc__)
-    p.add_argument("--out", type=Path, default=Path("models"), help="output directory")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (models; with --draft-for: required, the draft's own)",
+    )
     p.add_argument("--target-steps", type=int, default=700, help="target optimizer steps")
     p.add_argument("--draft-steps", type=int, default=500, help="draft distillation steps")
     p.add_argument("--batch-size", type=int, default=16)
@@ -42,7 +47,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "then the draft's directory")  # fmt: skip
     p.add_argument("--draft-layers", type=int, default=2,
                    help="with --draft-for: the draft's decoder layers")  # fmt: skip
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.draft_for is None:
+        args.out = args.out or Path("models")
+        return args
+    if args.out is None:
+        p.error("--draft-for needs --out: the new draft's own directory (it is replaced)")
+    out, target = args.out.resolve(), args.draft_for.resolve()
+    if out == target or out in target.parents:
+        p.error(f"--out {args.out} would replace the target {args.draft_for} it distils from")
+    report = args.out / "train_report.json"
+    if args.out.exists() and not (report.is_file() and "draft_layers" in report.read_text()):
+        p.error(
+            f"--out {args.out} exists and is not a draft built by --draft-for: choose a "
+            "new directory"
+        )
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -51,7 +51,7 @@ from serving.protocol import (
     resolve_max_tokens,
 )
 from serving.settings import AppArgs
-from serving.speculation import build_policy, policy_names
+from serving.speculation import build_policy, default_spec, policy_names
 from serving.worker import DecodeWorker
 
 log = logging.getLogger("ray.serve")
@@ -95,6 +95,12 @@ class SpecboundServer:
         except (OSError, ValueError) as exc:
             self.artifacts, self.artifacts_error = None, f"{type(exc).__name__}: {exc}"
             log.warning("cost-aware policies unavailable: %s", self.artifacts_error)
+        if self.artifacts is not None and self.artifacts.acceptance is None:
+            log.warning(
+                "no acceptance model (models/acceptance.json): throughput and specdec "
+                "are unavailable, requests without a policy get %s",
+                default_spec(None),
+            )
         self.vocab = min(len(self.tokenizer), self.pair.target.config.vocab_size,
                          self.pair.draft.config.vocab_size)  # fmt: skip
         self.context = min(
@@ -233,7 +239,8 @@ class SpecboundServer:
                 else:
                     check_token_ids(prompt, self.vocab, param)
                     prompts.append(list(prompt))
-        name, knobs = req.speculation_spec
+        name, knobs = (req.speculation_spec if req.speculation is not None
+                       else default_spec(self.artifacts))  # fmt: skip
 
         def make_policy():
             return build_policy(name, knobs, self.artifacts, self.artifacts_error)

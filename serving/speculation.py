@@ -21,6 +21,20 @@ log = logging.getLogger("ray.serve")
 # the committed models/acceptance.json.
 DEFAULT_POLICY = "specdec"
 DEFAULT_KNOBS: dict[str, Any] = {}
+# The default where the artifacts (acceptance.json) did not load: a request without a
+# `speculation` field is still served, by the previous default.
+FALLBACK_POLICY = "fixed"
+FALLBACK_KNOBS: dict[str, Any] = {"k": 4}
+
+
+def default_spec(artifacts: PolicyArtifacts | None) -> tuple[str, dict[str, Any]]:
+    """The policy of a request that names none: the default when this server has what it
+    needs, else the fallback (never a 500 for a request that asked for nothing)."""
+    if artifacts is not None and artifacts.acceptance is not None:
+        return DEFAULT_POLICY, dict(DEFAULT_KNOBS)
+    return FALLBACK_POLICY, dict(FALLBACK_KNOBS)
+
+
 # make_policy(name, [artifacts,] **knobs): a knob with one of these names would bind to
 # make_policy's own parameters, not reach the policy.
 _RESERVED = frozenset({"name", "artifacts"})

@@ -137,3 +137,16 @@ def test_train_acceptance_job_end_to_end(tmp_path):
     model = AcceptanceModel.load(out)
     assert set(model.modes) == {"greedy", "sampled"} and len(model.union_by_m) == 3
     assert model.meta["pair"]["draft_fingerprint"] and set(report) == {"greedy", "sampled"}
+
+
+def test_saved_traces_carry_their_pair_and_settings(tmp_path):
+    from pipeline.acceptance.traces import UnionCounts, load_traces, save_traces
+
+    trace = AcceptanceTrace("p", 1.0, np.zeros((3, 4)), np.array([0.5, 0.6, 0.7]), np.ones((3, 2)))
+    meta = {"pair": {"draft_fingerprint": "sha256:x"}, "temperatures": [1.0]}
+    path = tmp_path / "t.npz"
+    save_traces(path, [trace], UnionCounts(np.array([4.0, 12.0]), np.array([1.0, 2.0])), meta)
+    (back,), unions, meta_back = load_traces(path)
+    assert meta_back == meta and unions.means() == [4.0, 6.0]
+    assert back.prompt_id == "p" and back.labels.tolist() == [0.5, 0.6, 0.7]
+    assert back.hidden.shape == (3, 2)

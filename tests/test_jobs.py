@@ -246,3 +246,39 @@ def test_policy_specs_parse_names_and_knobs():
             parse_policy_specs(bad)
     proc = _run(["jobs.bench_online", "--policies", "fixed:k=0"], REPO_ROOT, check=False)
     assert proc.returncode == 2 and "--policies: fixed: k must be >= 1, got 0" in proc.stderr
+
+
+def test_second_draft_never_replaces_the_target_or_an_unrelated_directory(tmp_path, capsys):
+    from jobs.train_tiny import parse_args
+
+    target = str(DEFAULT_TARGET)
+    cases = [
+        ([], "needs --out"),
+        (["--out", str(DEFAULT_TARGET.parent)], "replace"),
+        (["--out", target], "replace"),
+        (["--out", str(DEFAULT_DRAFT)], "not a draft"),
+    ]
+    for extra, why in cases:
+        argv = ["--draft-for", target, *extra]
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert why in capsys.readouterr().err, argv
+    assert parse_args(["--draft-for", target, "--out", str(tmp_path / "new")]).out.name == "new"
+    assert parse_args([]).out.name == "models"
+
+
+def test_bench_and_acceptance_arguments_are_checked_before_anything_loads(capsys):
+    from jobs.bench_online import parse_args as bench_args
+    from jobs.cli import parse_policy_specs
+    from jobs.train_acceptance import parse_args as acceptance_args
+
+    for argv in (["--bound-at", "0.5"], ["--bound-at", "x"], ["--threads", "-1"],
+                 ["--no-bound", "--bound-at", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            bench_args(argv)
+    assert bench_args(["--bound-at", "0"]).bound_at == [0.0]
+    with pytest.raises(SystemExit):
+        acceptance_args(["--max-new-tokens", "4", "--max-m", "13"])
+    assert "--max-m" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="given twice"):
+        parse_policy_specs("fixed:k=2:k=3")

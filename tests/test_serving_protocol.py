@@ -529,3 +529,11 @@ def test_the_last_step_s_lookahead_must_fit_the_context_too():
     assert info.value.param == "prompt" and info.value.code == "context_length_exceeded"
     open_ended = parse_chat_request({"messages": [{"role": "user", "content": "x"}]})
     assert resolve_max_tokens(open_ended, 60, 100, 1000, 64, "messages", lookahead=8) == 32
+
+
+def test_a_request_naming_no_policy_is_served_without_the_artifacts_too():
+    from pipeline.decode.policies.artifacts import load_artifacts
+    from serving.speculation import DEFAULT_POLICY, default_spec
+
+    assert default_spec(load_artifacts()) == (DEFAULT_POLICY, {})
+    assert default_spec(None) == ("fixed", {"k": 4})  # no 500 for a request that asked nothing

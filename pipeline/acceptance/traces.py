@@ -14,6 +14,7 @@ over m consecutive positions, what a verification pass of m positions computes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from pipeline.acceptance.features import distribution_stats
-from pipeline.data.prompts import Prompt
+from pipeline.data.prompts import Prompt, encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.simple import AutoregressivePolicy
 from pipeline.decode.types import SamplingConfig
@@ -61,7 +62,8 @@ class UnionCounts:
 
 
 def prompt_ids(pair: ModelPair, prompt: Prompt) -> list[int]:
-    return pair.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    """As the benchmark encodes a prompt (its last 512 tokens)."""
+    return encode(pair.tokenizer, prompt.text, keep_last=512)
 
 
 @torch.no_grad()
@@ -123,8 +125,10 @@ def collect_traces(
     return traces, unions
 
 
-def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts) -> None:
-    """One .npz (concatenated arrays and offsets), so a refit need not decode again."""
+def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts,
+                meta: dict) -> None:  # fmt: skip
+    """One .npz (concatenated arrays and offsets, and ``meta``: the pair and the settings the
+    traces came from), so a refit need not decode again."""
     lengths = np.array([len(t.labels) for t in traces])
     np.savez_compressed(
         path, prompt_ids=np.array([t.prompt_id for t in traces]),
@@ -132,11 +136,11 @@ def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts) 
         stats=np.concatenate([t.stats for t in traces]),
         labels=np.concatenate([t.labels for t in traces]),
         hidden=np.concatenate([t.hidden for t in traces]),
-        union_sums=unions.sums, union_counts=unions.counts,
+        union_sums=unions.sums, union_counts=unions.counts, meta=np.array(json.dumps(meta)),
     )  # fmt: skip
 
 
-def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts]:
+def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
     data = np.load(path)
     ends = np.cumsum(data["lengths"])
     starts = ends - data["lengths"]
@@ -148,4 +152,5 @@ def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts]:
             data["prompt_ids"], data["temperatures"], starts, ends, strict=True
         )  # fmt: skip
     ]
-    return traces, UnionCounts(data["union_sums"], data["union_counts"])
+    meta = json.loads(str(data["meta"])) if "meta" in data else {}
+    return traces, UnionCounts(data["union_sums"], data["union_counts"]), meta

@@ -157,6 +157,9 @@ def fit_acceptance(
         report[mode] = mode_report
     if not modes:
         raise ValueError("no traces to fit the acceptance model on")
+    if not union_by_m or any(not np.isfinite(u) for u in union_by_m):
+        raise ValueError(f"expert unions by m incomplete ({union_by_m}): trace more tokens "
+                         "per prompt than the largest m")  # fmt: skip
     return AcceptanceModel(modes, union_by_m, decay, dict(meta or {}, fit=report)), report
 
 
@@ -169,23 +172,29 @@ def train_acceptance(
     model and its held-out report. ``traces_path``: the traces are saved there, or read from
     there when it exists (a refit without decoding again)."""
     t0 = time.perf_counter()
+    pair_meta = {k: v for k, v in pair_provenance(pair).items()
+                 if k in ("target_model", "target_fingerprint", "draft_model",
+                          "draft_fingerprint")}  # fmt: skip
+    meta = {"pair": pair_meta, "prompts": [p.prompt_id for p in prompts],
+            "temperatures": temperatures, "max_new_tokens": max_new_tokens}  # fmt: skip
     if traces_path is not None and Path(traces_path).exists():
-        traces, unions = load_traces(Path(traces_path))
-        log(f"  {len(traces)} traces read from {traces_path}")
+        traces, unions, meta = load_traces(Path(traces_path))
+        for key in ("target_fingerprint", "draft_fingerprint"):
+            if meta.get("pair", {}).get(key) != pair_meta.get(key):
+                raise ValueError(f"{traces_path} holds traces of another pair ({key} "
+                                 f"{meta.get('pair', {}).get(key)}, here {pair_meta.get(key)}):"
+                                 " remove it or pass another --traces path")  # fmt: skip
+        log(
+            f"  {len(traces)} traces read from {traces_path} (its settings: temperatures "
+            f"{meta.get('temperatures')}, {meta.get('max_new_tokens')} tokens)"
+        )
     else:
         traces, unions = collect_traces(pair, prompts, temperatures, max_new_tokens, max_m,
                                         seed, log)  # fmt: skip
         if traces_path is not None:
-            save_traces(Path(traces_path), traces, unions)
+            save_traces(Path(traces_path), traces, unions, meta)
     meta = {
-        "pair": {
-            k: v
-            for k, v in pair_provenance(pair).items()
-            if k in ("target_model", "target_fingerprint", "draft_model", "draft_fingerprint")
-        },  # fmt: skip
-        "prompts": [p.prompt_id for p in prompts],
-        "temperatures": temperatures,
-        "max_new_tokens": max_new_tokens,
+        **meta,
         "positions": int(sum(len(t.labels) for t in traces)),
         "trace_seconds": round(time.perf_counter() - t0, 1),
     }

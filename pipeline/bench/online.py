@@ -212,6 +212,8 @@ def run_online_bench(
     unknown = {name for name, _ in policies} - POLICIES.keys()
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose among {sorted(POLICIES)}")
+    for name, knobs in policies:  # every policy builds (its artifacts exist) before any runs
+        make_policy(name, artifacts, **knobs)
     if policies[0][0] != "ar":
         policies = [("ar", {}), *[p for p in policies if p[0] != "ar"]]  # the baseline first
     rows: list[BenchRow] = []

@@ -89,6 +89,7 @@ def distill_second_draft(
     (tmp / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     size = directory_size_bytes(tmp)
     if size > MAX_DRAFT_BYTES:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"the draft takes {size / 2**20:.1f} MiB, over the 8 MiB budget")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

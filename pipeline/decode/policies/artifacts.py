@@ -12,15 +12,19 @@ is per device. ``PolicyArtifacts.check_pair`` refuses a pair the cost model was 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.acceptance.features import FEATURE_NAMES
 from pipeline.acceptance.model import AcceptanceModel
 from pipeline.cost.model import CostModel
 from pipeline.cost.provenance import pair_provenance
 from pipeline.models.loading import REPO_ROOT, ModelPair
 from pipeline.predictor.model import ExpertPredictor, LearnedExpertPredictor
+
+log = logging.getLogger(__name__)
 
 MODELS_DIR = REPO_ROOT / "models"
 DEFAULT_PREDICTOR = MODELS_DIR / "predictor"
@@ -55,23 +59,36 @@ class PolicyArtifacts:
         checkpoints (CostModel.check_measured_on: a CostModelMismatchError listing every
         difference, or with ``allow_mismatch`` a logged warning; the differences returned)."""
         self.check_target(pair.spec.num_moe_layers, pair.spec.num_experts)
-        self.check_acceptance(pair)
+        self.check_acceptance(pair, allow_mismatch)
         return self.cost.check_measured_on(pair_provenance(pair), allow_mismatch)
 
-    def check_acceptance(self, pair: ModelPair) -> None:
-        """An acceptance model learned on another draft or target predicts the wrong rates."""
+    def check_acceptance(self, pair: ModelPair, allow_mismatch: bool = False) -> None:
+        """An acceptance model learned on another draft or target predicts the wrong rates:
+        a ValueError, or with ``allow_mismatch`` a logged warning."""
         if self.acceptance is None:
             return
+        hidden = pair.draft.config.hidden_size
+        for name, mode in self.acceptance.modes.items():
+            widths = {len(mode.current) - len(FEATURE_NAMES), len(mode.head) - 1} - {0, -1}
+            if widths - {hidden}:
+                raise ValueError(
+                    f"the acceptance model's {name} part reads a hidden state of "
+                    f"{sorted(widths)} dimensions, the draft's has {hidden}: train "
+                    "one for this pair with python -m jobs.train_acceptance"
+                )
         trained = self.acceptance.meta.get("pair", {})
         here = pair_provenance(pair)
         for role in ("target", "draft"):
             key = f"{role}_fingerprint"
             if trained.get(key) and here.get(key) and trained[key] != here[key]:
-                raise ValueError(
+                problem = (
                     f"the acceptance model was learned with {role} {trained.get(f'{role}_model')}"
                     f" ({trained[key]}), not {here.get(f'{role}_model')} ({here[key]}): train "
                     "one for this pair with python -m jobs.train_acceptance"
                 )
+                if not allow_mismatch:
+                    raise ValueError(problem)
+                log.warning("%s (allowed)", problem)
 
 
 def read_lambda(path: Path) -> float:

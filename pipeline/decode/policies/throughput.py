@@ -18,14 +18,15 @@ pipeline.acceptance (acceptance.json): logistic models over the draft's confiden
 and top-2 margin and the generation's recent acceptance. The draft's raw confidence
 understates greedy acceptance; this model is calibrated on what the target actually did.
 
-Decisions cost no draft forward. Drafting the next token is decided once its distribution is
-known (its forward already ran: the `current` model); running the forward for the token after
-it is decided before that forward, from the `next` model. Before any forward the step decides
-whether to draft at all from recent acceptance alone; when it does not, the step is a plain
-one (speculation off), and every ``probe_every`` plain steps one step drafts anyway so that
-recent acceptance keeps being measured. Decisions are made before sampling, or after a token
-is drawn about tokens after it, never about the drawn token itself, which keeps sampling
-lossless.
+Decisions cost no draft forward of their own. Drafting the next token is decided once its
+distribution is known (its forward already ran: the `current` model); running the forward for
+the token after it is decided before that forward, from the `next` model. Before any forward
+the step decides whether to look at all, from recent acceptance and how acceptance spreads
+around it (a look that then drafts nothing is the one forward a decision can waste); when it
+does not, the step is a plain one (speculation off), and every ``probe_every`` plain steps one
+step drafts anyway so that recent acceptance keeps being measured. Decisions are made before
+sampling, or after a token is drawn about tokens after it, never about the drawn token
+itself, which keeps sampling lossless.
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ class ThroughputPolicy(Policy):
     def update(self, outcome: StepOutcome) -> None:
         record = outcome.record
         drafted = len(outcome.candidates)
-        self._plain_run = 0 if drafted or record.draft_forwards else self._plain_run + 1
+        # A look that drafted nothing yields no outcome: it counts towards the next probe.
+        self._plain_run = 0 if drafted else self._plain_run + 1
         if drafted or self._catchup:
             decay = self.acceptance.decay
             recent = self._prior if self._recent is None else self._recent
