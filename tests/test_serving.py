@@ -24,9 +24,11 @@ import yaml
 
 from pipeline.data.domains import load_prompts
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.artifacts import load_artifacts
 from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import REPO_ROOT
+from serving.speculation import default_spec
 from tests.serving_support import ids as _ids
 from tests.serving_support import one_thread_pair, serve_apps
 from tests.serving_support import plain_greedy as _plain_greedy
@@ -328,8 +330,10 @@ def test_sampling_follows_seed_and_top_p(server, pair):
     texts = {}
     for seed in (1, 2, 3):
         texts[seed] = http(seed, 0.9)
-        library = engine.generate(ids, make_policy("fixed", k=4), 16, SamplingConfig(1.0, 0.9),
-                                  seed=seed)  # fmt: skip
+        # The server's default policy (the request names none), decoded by the library.
+        name, knobs = default_spec(load_artifacts())
+        library = engine.generate(ids, make_policy(name, **knobs), 16,
+                                  SamplingConfig(1.0, 0.9), seed=seed)  # fmt: skip
         assert texts[seed] == library.text, seed
     assert http(1, 0.9) == texts[1]
     assert len(set(texts.values())) > 1, texts
