@@ -162,8 +162,14 @@ def _bound_arg(args: argparse.Namespace) -> bool | list[float]:
 
 def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: str):
     """One prompt source's bench, printed as it finishes."""
-    prompts = [encode(pair.tokenizer, p.text, keep_last=512)
-               for p in load_prompts(source, args.limit)]  # fmt: skip
+    chosen = load_prompts(source, args.limit)
+    trained = set(artifacts.acceptance.meta.get("prompts", [])) if artifacts.acceptance else set()
+    seen = sorted(p.prompt_id for p in chosen if p.prompt_id in trained)
+    if seen:
+        print(f"[bench_online] warning: {name}: {len(seen)} prompts ({', '.join(seen[:4])}"
+              f"{', ...' if len(seen) > 4 else ''}) are in the acceptance model's training set;"
+              " its policies are then scored in-sample", flush=True)  # fmt: skip
+    prompts = [encode(pair.tokenizer, p.text, keep_last=512) for p in chosen]
     result = run_online_bench(
         pair, artifacts, prompts, [float(t) for t in args.temperatures.split(",")],
         args.max_new_tokens, args.lmax, quick=args.quick, policies=args.policies,

@@ -4,13 +4,15 @@ save it (acceptance.json) where the `throughput` policy loads it.
 The target decodes each prompt at each temperature; one teacher-forced pass of both models
 over the text labels every position with what verification would do with the draft's token
 (T = 0: the draft's argmax is the target's token; T > 0: sum min(p, q)). Two logistic models
-per mode read the draft's confidence, entropy and top-2 margin and the generation's recent
+per mode read the draft's confidence, entropy and top-2 margin, how far its top token
+continues an n-gram already in the context, its last hidden state and the generation's recent
 acceptance: one for the token about to be drafted, one for the token after it (so that
 extending a chain is decided without the forward that would show it). Also records the mean
 expert union of m consecutive positions, what a verification of m positions computes.
 
 The benchmark's prompts are the first --limit of each domain; training skips the first
---skip (16) of each domain, so a bench with --limit <= 16 runs on prompts never trained on.
+--skip (8) of each domain, so a bench with --limit <= 8 (its default) runs on prompts never
+trained on (the bench warns where they overlap).
 
     python -m jobs.train_acceptance                                  # models/acceptance.json
     python -m jobs.train_acceptance --draft models/draft-2layer \\
@@ -36,9 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_acceptance", __doc__)
     add_model_args(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to save ({DEFAULT_OUT})")
-    p.add_argument("--per-domain", type=int, default=24, help="prompts per domain (24)")
-    p.add_argument("--skip", type=int, default=16,
-                   help="leading prompts of each domain left out: the bench's (16)")  # fmt: skip
+    p.add_argument("--per-domain", type=int, default=32,
+                   help="prompts per domain (32; fewer where a domain has fewer)")  # fmt: skip
+    p.add_argument("--skip", type=int, default=8,
+                   help="leading prompts of each domain left out: bench's --limit (8)")  # fmt: skip
     p.add_argument(
         "--temperatures",
         default="0,0.5,1",

@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.acceptance.features import FEATURE_NAMES, distribution_stats, stats_of
+from pipeline.acceptance.features import (
+    FEATURE_NAMES,
+    MAX_MATCH,
+    NgramIndex,
+    context_features,
+    distribution_stats,
+    match_features,
+    position_stats,
+    stats_of,
+)
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.acceptance.traces import AcceptanceTrace, trace_prompt
 from pipeline.acceptance.training import design, fit_acceptance, fit_logistic
@@ -30,6 +39,33 @@ def test_distribution_stats_of_a_known_distribution():
     assert stats_of(probs[0]) == pytest.approx(distribution_stats(probs)[0].tolist(), rel=1e-6)
 
 
+def test_context_match_is_the_longest_ngram_already_in_the_text():
+    index = NgramIndex()
+    index.extend([1, 2, 3, 4, 1, 2])
+    assert index.match([], 3) == 1 and index.match([], 9) == 0
+    assert index.match([3, 4, 1], 2) == 4  # "3 4 1 2" occurred
+    assert index.match([4, 1, 2], 3) == 3  # "1 2 3" occurred, "4 1 2 3" did not
+    assert index.match([1, 2], 9) == 0  # the token itself never occurred
+    long = list(range(20)) * 2
+    index.extend(long)
+    assert index.match(long[:15], 15) == MAX_MATCH  # capped
+    assert match_features(0) == [0.0, 0.0, 0.0] and match_features(4) == [0.5, 1.0, 1.0]
+
+
+def test_context_features_match_position_by_position_what_the_policy_sees():
+    context, text, proposed = [5, 6, 7, 5, 6], [7, 8, 5], [7, 9, 6]
+    feats = context_features(context, text, proposed)
+    # 7 after "5 6": "5 6 7" occurred; 9 never; 6 after "... 7 8": only "6" itself occurred.
+    assert feats == [match_features(3), match_features(0), match_features(1)]
+    index = NgramIndex()
+    index.extend(context)
+    probs = torch.zeros(10)
+    probs[7], probs[2] = 0.7, 0.3
+    stats = position_stats(probs, index, context)
+    assert stats[:4] == pytest.approx(stats_of(probs), rel=1e-6)
+    assert stats[4:] == match_features(3) and len(stats) == W - 2
+
+
 def test_logistic_fit_recovers_weights_from_soft_labels():
     rng = np.random.default_rng(0)
     x = np.column_stack([np.ones(20000), rng.normal(size=(20000, 2))])
@@ -45,7 +81,7 @@ def test_logistic_fit_recovers_weights_from_soft_labels():
 
 
 def test_recent_acceptance_only_looks_back():
-    stats = np.zeros((4, 4))
+    stats = np.zeros((4, W - 2))
     trace = AcceptanceTrace("p", 0.0, stats, np.array([1.0, 0.0, 1.0, 1.0]))
     x, y, w = design([trace], decay=0.5, prior=0.6, shift=0)
     assert x[:, -1] == pytest.approx([0.6, 0.8, 0.4, 0.7])  # before each position's own label
@@ -117,7 +153,7 @@ def test_fit_reports_held_out_scores_against_raw_confidence():
     traces = []
     for i in range(10):
         conf = rng.uniform(0.05, 1.0, 200)
-        stats = np.column_stack([np.log(conf), conf, 2 - 2 * conf, conf / 2])
+        stats = np.column_stack([np.log(conf), conf, 2 - 2 * conf, conf / 2, np.zeros((200, 3))])
         labels = (rng.uniform(size=200) < 0.3 + 0.6 * conf).astype(float)
         traces.append(AcceptanceTrace(f"p{i}", 0.0, stats, labels, rng.normal(size=(200, 3))))
     model, report = fit_acceptance(traces, [4.0, 6.0], heldout_every=5)
@@ -142,7 +178,8 @@ def test_train_acceptance_job_end_to_end(tmp_path):
 def test_saved_traces_carry_their_pair_and_settings(tmp_path):
     from pipeline.acceptance.traces import UnionCounts, load_traces, save_traces
 
-    trace = AcceptanceTrace("p", 1.0, np.zeros((3, 4)), np.array([0.5, 0.6, 0.7]), np.ones((3, 2)))
+    trace = AcceptanceTrace("p", 1.0, np.zeros((3, W - 2)), np.array([0.5, 0.6, 0.7]),
+                            np.ones((3, 2)))  # fmt: skip
     meta = {"pair": {"draft_fingerprint": "sha256:x"}, "temperatures": [1.0]}
     path = tmp_path / "t.npz"
     save_traces(path, [trace], UnionCounts(np.array([4.0, 12.0]), np.array([1.0, 2.0])), meta)

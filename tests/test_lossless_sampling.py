@@ -90,8 +90,8 @@ def artifacts(pair) -> PolicyArtifacts:
     hidden = pair.draft.config.hidden_size
     head = [0.0] + torch.linspace(-1.0, 1.0, hidden).tolist()  # varies with the draft's state
     # Acceptance rises with the draft's confidence, which spans 0.35-0.56 on this pair.
-    mode = ModeModel(current=[-4.0, 0.0, 9.0, 0.0, 0.0, 1.0],
-                     next=[-4.0, 0.0, 9.0, 0.0, 0.0, 1.0], prior=0.5, head=head,
+    mode = ModeModel(current=[-4.0, 0.0, 9.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0],
+                     next=[-4.0, 0.0, 9.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0], prior=0.5, head=head,
                      spread=[-3.0, -2.0, -1.0])  # fmt: skip
     acceptance = AcceptanceModel({"greedy": mode, "sampled": mode}, [2.0 + 0.5 * m for m in
                                                                      range(13)])  # fmt: skip

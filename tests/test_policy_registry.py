@@ -46,7 +46,7 @@ def synthetic_artifacts(pair) -> PolicyArtifacts:
     cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
                      0.001, 0.4, 0.1)  # fmt: skip
     hidden = pair.draft.config.hidden_size
-    weights = [-2.0, 0.0, 5.0, 0.0, 0.0, 1.0]  # over FEATURE_NAMES
+    weights = [-2.0, 0.0, 5.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0]  # over FEATURE_NAMES
     mode = ModeModel(weights, weights, 0.5, [0.5] + [0.01] * hidden, [-1.0, 0.0, 1.0])
     acceptance = AcceptanceModel({"greedy": mode, "sampled": mode}, [2.0 + m for m in range(13)])
     return PolicyArtifacts(predictor, cost, 500.0, acceptance)

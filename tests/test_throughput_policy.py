@@ -119,3 +119,25 @@ def test_policies_without_an_acceptance_model_say_how_to_get_one(artifacts):
     for name in ("throughput", "specdec"):
         with pytest.raises(ValueError, match="jobs.train_acceptance"):
             make_policy(name, bare)
+
+
+def test_online_correction_moves_the_logit_towards_the_outcomes(pair, ids, artifacts):
+    # The model says 4 in 5 whatever happens: the offset follows what did, stays within its
+    # bound, and is off at adapt = 0.
+    off = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3,
+                           adapt=0.0)  # fmt: skip
+    _run(pair, ids, off, 6)
+    assert off._offset == 0.0
+    policy = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3,
+                              adapt=0.5)  # fmt: skip
+    session = _run(pair, ids, policy, 6)
+    judged = [(min(s.drafted, s.accepted + 1), s.accepted) for s in session.steps]
+    hits = sum(a for _, a in judged)
+    misses = sum(j - a for j, a in judged)
+    assert hits + misses > 0 and abs(policy._offset) <= 3.0
+    # Each judged token moves the logit by adapt * (outcome - predicted), predicted in (0, 1).
+    if misses == 0:
+        assert policy._offset > 0
+    elif hits == 0:
+        assert policy._offset < 0
+    assert policy._offset != 0.0

@@ -1,6 +1,13 @@
 """What an acceptance prediction reads: a few numbers from one draft distribution (the one a
-token is drawn from) plus the generation's recent acceptance. One definition, shared by the
-traces the model is fitted on and the policy that queries it while drafting."""
+token is drawn from), how far the draft's top token continues text already in the context,
+and the generation's recent acceptance. One definition, shared by the traces the model is
+fitted on and the policy that queries it while drafting.
+
+The context match is the prompt-lookup signal: when the last n - 1 tokens followed by the
+draft's top token already occurred in the context, the target is far more likely to agree
+(copying names, repeated phrases, formulas); it separates greedy acceptance better than any
+number read off the draft's distribution.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,56 @@ import math
 
 import torch
 
-FEATURE_NAMES = ("bias", "log_conf", "conf", "entropy", "margin", "recent")
+FEATURE_NAMES = ("bias", "log_conf", "conf", "entropy", "margin",
+                 "match", "match2", "match4", "recent")  # fmt: skip
+MAX_MATCH = 8  # the longest n-gram the context match looks for
+
+
+class NgramIndex:
+    """Every n-gram (n <= MAX_MATCH) of a growing token sequence, for the context match: one
+    set lookup per n, so a query costs microseconds whatever the context's length."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._seen: set[tuple[int, ...]] = set()
+
+    def extend(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            self.tokens.append(tok)
+            end = len(self.tokens)
+            for n in range(1, min(MAX_MATCH, end) + 1):
+                self._seen.add(tuple(self.tokens[end - n :]))
+
+    def match(self, tail: list[int], token: int) -> int:
+        """The largest n such that the last n - 1 tokens of ``tail`` followed by ``token``
+        occur in the indexed sequence (0: not even ``token`` does)."""
+        best = 0
+        for n in range(1, MAX_MATCH + 1):
+            if n - 1 > len(tail):
+                break
+            if tuple(tail[len(tail) - n + 1 :] + [token]) not in self._seen:
+                break
+            best = n
+        return best
+
+
+def match_features(n: int) -> list[float]:
+    """The context match as model inputs: its length (scaled), and whether it reaches 2 and 4."""
+    return [min(n, MAX_MATCH) / MAX_MATCH, float(n >= 2), float(n >= 4)]
+
+
+def context_features(context: list[int], text: list[int], proposed: list[int]) -> list[list[float]]:
+    """match_features of ``proposed[i]`` (the draft's top token at position i) after
+    ``context + text[:i]``, against everything before it: what the policy sees drafting along
+    this text."""
+    index = NgramIndex()
+    index.extend(context)
+    out = []
+    for tok, nxt in zip(text, proposed, strict=True):
+        tail = index.tokens[-(MAX_MATCH - 1) :]
+        out.append(match_features(index.match(tail, nxt)))
+        index.extend([tok])
+    return out
 
 
 def distribution_stats(probs: torch.Tensor) -> torch.Tensor:
@@ -26,6 +82,17 @@ def stats_of(probs: torch.Tensor) -> list[float]:
     top1, top2 = probs.topk(2).values.tolist()
     entropy = float(torch.special.entr(probs).sum())
     return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2]
+
+
+def position_stats(probs: torch.Tensor, index: NgramIndex, tail: list[int]) -> list[float]:
+    """What the model reads at one draft position, bar recent acceptance: stats_of(probs) and
+    the context match of its top token after ``tail`` (the text's last tokens, chain
+    included) in ``index`` (the committed text)."""
+    top = probs.topk(2)
+    top1, top2 = top.values.tolist()
+    entropy = float(torch.special.entr(probs).sum())
+    n = index.match(tail, int(top.indices[0]))
+    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2, *match_features(n)]
 
 
 def feature_vector(stats: list[float], recent: float) -> list[float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.acceptance.features import distribution_stats
+from pipeline.acceptance.features import FEATURE_NAMES, context_features, distribution_stats
 from pipeline.data.prompts import Prompt, encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.simple import AutoregressivePolicy
@@ -37,7 +37,9 @@ class AcceptanceTrace:
 
     prompt_id: str
     temperature: float
-    stats: np.ndarray  # [n, 4] distribution_stats of q_i
+    # [n, len(FEATURE_NAMES) - 2]: distribution_stats of q_i, then the context match of its
+    # top token (features.context_features)
+    stats: np.ndarray
     labels: np.ndarray  # [n] match (T = 0) or sum min(p, q) (T > 0)
     # [n, hidden] the draft's last-layer state that produced q_i (what a SpecDec++-style
     # acceptance head reads)
@@ -87,7 +89,10 @@ def trace_prompt(
         labels = (q.argmax(-1) == target_tokens).float()
     else:
         labels = torch.minimum(p, q).sum(-1)
-    stats = distribution_stats(q)
+    # The draft's own distribution, then how its top token continues the context.
+    proposed = q.argmax(-1).tolist()
+    context = np.array(context_features(ids, gen.tokens, proposed), dtype=np.float64)
+    stats = np.column_stack([distribution_stats(q).cpu().numpy().astype(np.float64), context])
     # Verification passes start at the last committed token: windows over positions start ...
     routing = routing[0, start : start + n]
     sums, counts = np.zeros(max_m), np.zeros(max_m)
@@ -97,7 +102,7 @@ def trace_prompt(
             sums[m - 1] += float(u.float().mean())
             counts[m - 1] += 1
     trace = AcceptanceTrace(prompt.prompt_id, sampling.temperature,
-                            stats.cpu().numpy().astype(np.float64),
+                            stats,
                             labels.cpu().numpy().astype(np.float64),
                             hidden.float().cpu().numpy())  # fmt: skip
     return trace, UnionCounts(sums, counts)
@@ -153,4 +158,8 @@ def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
         )  # fmt: skip
     ]
     meta = json.loads(str(data["meta"])) if "meta" in data else {}
+    width = len(FEATURE_NAMES) - 2
+    if data["stats"].shape[1] != width:
+        raise ValueError(f"{path}: traces with {data['stats'].shape[1]} features per position, "
+                         f"this version reads {width}; remove the file to trace again")  # fmt: skip
     return traces, UnionCounts(data["union_sums"], data["union_counts"]), meta

@@ -99,18 +99,42 @@ def bench_policy(pair: ModelPair, prompts: list[list[int]], name: str | Callable
                  label: str | None = None) -> BenchRow:  # fmt: skip
     """``name`` is a policy name, or a callable giving the policy for prompt j. Timed: the
     decoding steps (a session's start, the prompt's prefill, is not)."""
+    return bench_policies(pair, prompts, [(name, knobs, label)], temperature, max_new_tokens,
+                          artifacts)[0]  # fmt: skip
+
+
+def bench_policies(pair: ModelPair, prompts: list[list[int]],
+                   specs: list[tuple[str | Callable, dict, str | None]], temperature: float,
+                   max_new_tokens: int,
+                   artifacts: PolicyArtifacts | None = None) -> list[BenchRow]:  # fmt: skip
+    """bench_policy for each (name, knobs, label) in ``specs``, interleaved: every policy
+    decodes prompt j before any decodes prompt j + 1, in an order that rotates with j. A
+    machine whose speed drifts during the run (a shared CPU drifts by tens of percent within
+    minutes) then slows every policy alike, instead of whichever ran in the slow minutes."""
     engine = SpeculativeEngine(pair)
     sampling = SamplingConfig(temperature=temperature)
-    seconds, outputs, steps = 0.0, [], []
+    seconds = [0.0] * len(specs)
+    outputs: list[list[list[int]]] = [[] for _ in specs]
+    steps: list[list[list[StepRecord]]] = [[] for _ in specs]
     for seed, ids in enumerate(prompts):
-        policy = name(seed) if callable(name) else make_policy(name, artifacts, **knobs)
-        session = engine.start(ids, policy, sampling, seed=seed)
-        started = time.perf_counter()
-        while len(session.generated) < max_new_tokens:
-            session.step()
-        seconds += time.perf_counter() - started
-        outputs.append(list(session.generated))  # a last step may overshoot: it was paid for
-        steps.append(list(session.steps))
+        for turn in range(len(specs)):
+            i = (turn + seed) % len(specs)
+            name, knobs, _ = specs[i]
+            policy = name(seed) if callable(name) else make_policy(name, artifacts, **knobs)
+            session = engine.start(ids, policy, sampling, seed=seed)
+            started = time.perf_counter()
+            while len(session.generated) < max_new_tokens:
+                session.step()
+            seconds[i] += time.perf_counter() - started
+            outputs[i].append(list(session.generated))  # a last step may overshoot: paid for
+            steps[i].append(list(session.steps))
+    return [_row(name, knobs, label, temperature, seconds[i], outputs[i], steps[i])
+            for i, (name, knobs, label) in enumerate(specs)]  # fmt: skip
+
+
+def _row(name: str | Callable, knobs: dict, label: str | None, temperature: float,
+         seconds: float, outputs: list[list[int]],
+         steps: list[list[StepRecord]]) -> BenchRow:  # fmt: skip
     flat = [s for run in steps for s in run]
     return BenchRow(
         label=label or _label(name, knobs),
@@ -231,11 +255,12 @@ def run_online_bench(
     for temp in temperatures:
         bounded = bound if isinstance(bound, bool) else temp in bound
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
-        for name, knobs in policies:
-            progress(f"T={temp:g} {name} {knobs or ''}")
-            row = bench_policy(pair, prompts, name, knobs, temp, max_new_tokens, artifacts)
+        progress(f"T={temp:g}: {len(policies)} policies, interleaved prompt by prompt")
+        specs = [(name, knobs, None) for name, knobs in policies]
+        for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts):
             _price(row, pair, prompts, artifacts)
             if bounded and not row.tree:
+                progress(f"T={temp:g} {row.label}: the oracle on its text")
                 row.bound = bound_of(row, temp)
             rows.append(row)
         if assisted:

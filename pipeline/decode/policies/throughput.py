@@ -15,8 +15,11 @@ P is the probability that the chain drafted so far is accepted; a_1 is the accep
 next token, a_2.. that of the ones after it; U(m) the mean experts per layer of a pass of m
 positions; T_D and T_T are the calibrated cost model (costmodel.json). Acceptance comes from
 pipeline.acceptance (acceptance.json): logistic models over the draft's confidence, entropy
-and top-2 margin and the generation's recent acceptance. The draft's raw confidence
-understates greedy acceptance; this model is calibrated on what the target actually did.
+and top-2 margin, how far its top token continues an n-gram already in the text (the
+prompt-lookup signal: copied names and phrases are accepted far more often), its hidden state
+and the generation's recent acceptance. The draft's raw confidence understates greedy
+acceptance; this model is calibrated on what the target actually did, and ``adapt`` corrects
+its logit online from the generation's own outcomes (a domain it under- or overrates).
 
 Decisions cost no draft forward of their own. Drafting the next token is decided once its
 distribution is known (its forward already ran: the `current` model); running the forward for
@@ -31,10 +34,11 @@ itself, which keeps sampling lossless.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.acceptance.features import stats_of
+from pipeline.acceptance.features import MAX_MATCH, NgramIndex, logistic, position_stats
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
@@ -52,6 +56,15 @@ DEFAULT_MAX_K = 12
 # the optimum of a chain whose every token is accepted at the model's training mean, worth
 # PRIOR_TOKENS tokens, and forgets by RATE_DECAY per step.
 RATE_DECAY = 0.95
+MAX_OFFSET = 3.0  # the online logit correction stays within this
+
+
+def shifted(p: float, offset: float) -> float:
+    """p with ``offset`` added to its logit."""
+    p = min(max(p, 1e-9), 1 - 1e-9)
+    return logistic(math.log(p / (1 - p)) + offset)
+
+
 PRIOR_TOKENS = 16.0
 
 
@@ -63,6 +76,7 @@ class ThroughputPolicy(Policy):
     probe_every: int = 8
     rate: float | None = None  # fixed ms per token instead of the generation's own
     step_overhead_ms: float = 0.0
+    adapt: float = 0.2
     name = "throughput"
     summary = ("ours: draft while a token's expected value at the generation's own cost per "
                "token exceeds its modelled cost (acceptance learned offline)")  # fmt: skip
@@ -75,6 +89,9 @@ class ThroughputPolicy(Policy):
         Knob("step_overhead_ms", float, 0.0, 0.0, 100.0,
              help="ms a step costs beyond its modelled forwards (the engine's own work): "
                   "counted in the rate, so fewer, longer steps are worth a little more"),
+        Knob("adapt", float, 0.2, 0.0, 1.0,
+             help="learning rate of the online correction of the acceptance model's logit "
+                  "from this generation's outcomes (0: off)"),
         Knob("rate", float, None, 0.0, low_open=True, title="rate",
              help="ms per token a drafted token is worth (default: the generation's own "
                   "modelled cost per token, as it goes)"),
@@ -104,6 +121,9 @@ class ThroughputPolicy(Policy):
         self._observed_upto = -1  # the last text position whose draft outcome is counted
         self._catchup: list[bool] = []  # outcomes seen in this step's catch-up (greedy)
         self._prior = 0.0  # the mode's training mean, set by propose
+        self._offset = 0.0  # this generation's logit correction to the acceptance model
+        self._predicted: list[float] = []  # P(accept) of each token drafted this step
+        self._index = NgramIndex()  # the committed text's n-grams, for the context match
         self.decisions = []
 
     def step_work(self) -> StepWork:
@@ -200,6 +220,7 @@ class ThroughputPolicy(Policy):
         rho, k_max = self._rate(), self.max_k
         self._price_tables()
         cands = Candidates()
+        self._predicted = []
         probe = self._plain_run >= self.probe_every
         if not probe and not self._look_pays(rho, mode, recent):
             return cands  # speculation off for this step: no draft forward at all
@@ -208,11 +229,16 @@ class ThroughputPolicy(Policy):
         if drafter.sampling.greedy:
             recent = self._observe_catchup(drafter, committed, cached, recent)
         p_chain, decay = 1.0, self.acceptance.decay
+        self._index.extend(committed[len(self._index.tokens) :])
+        tail = committed[-(MAX_MATCH - 1) :]
         for j in range(k_max):
-            stats = stats_of(probs)
+            stats = position_stats(probs, self._index, tail)
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
             a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay)
+            if self._offset:
+                a_now = shifted(a_now, self._offset)
+                later = [shifted(a, self._offset) for a in later]
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not self._pays(
                 rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
@@ -220,11 +246,13 @@ class ThroughputPolicy(Policy):
                 break
             token = drafter.sample(probs)
             cands.extend_chain(token, probs, drafter.sampling.greedy)
+            self._predicted.append(a_now)
             p_chain *= a_now
             # Later tokens count only if this one is accepted: their features see it so.
             recent = decay * recent + (1 - decay)
             if not later or not self._pays(rho, p_chain, later, j + 2, j + 1, first_free=False):
                 break
+            tail = [*tail[1:], token] if len(tail) == MAX_MATCH - 1 else [*tail, token]
             probs = drafter.extend(token)
         return cands
 
@@ -258,6 +286,12 @@ class ThroughputPolicy(Policy):
                 recent = decay * recent + (1 - decay) * float(hit)
             self._recent = recent
             self._observed_upto = self._ctx + judged - 1
+            # Online recalibration: one gradient step of the log loss on the logit offset per
+            # judged token, so a domain the offline model under- or overrates is corrected
+            # within a few steps.
+            for j in range(judged):
+                self._offset += self.adapt * ((j < outcome.accepted) - self._predicted[j])
+            self._offset = max(-MAX_OFFSET, min(MAX_OFFSET, self._offset))
             self._catchup = []
         u = record.u_bar if record.unique_experts else self.acceptance.union(record.verified)
         price = (
