@@ -58,18 +58,25 @@ class ModeModel:
         object.__setattr__(self, "_hidden_weights", parts)
 
     def chain_view(self, stats: list[float], recent: float, hidden: torch.Tensor | None,
-                   n: int, decay: float) -> tuple[float, list[float]]:  # fmt: skip
-        """P(the token about to be drafted is accepted) and next_path's n values, with one
-        product against the hidden state for both models (a decision per draft token)."""
+                   n: int, decay: float,
+                   offset: float = 0.0) -> tuple[float, list[float]]:  # fmt: skip
+        """P(the token about to be drafted is accepted), then the `next` model for the n
+        tokens after it along the path where each is accepted (what a later token's worth is
+        conditional on): recent acceptance rising by an accepted outcome per token, the
+        draft's features as seen here. One product against the hidden state serves both
+        models (a decision per draft token); ``offset`` is added to every logit (the policy's
+        online correction)."""
         both = self._hidden_weights.get("both")  # type: ignore[attr-defined]
         if both is None or hidden is None:
-            return (self.p_current(stats, recent, hidden),
-                    self.next_path(stats, recent, hidden, n, decay))  # fmt: skip
-        k = len(FEATURE_NAMES)
-        f = feature_vector(stats, recent)
-        h_cur, h_next = (hidden.float().cpu() @ both).tolist()
-        z_cur = h_cur + sum(w * x for w, x in zip(self.current[:k], f, strict=True))
-        z_next = h_next + sum(w * x for w, x in zip(self.next[:k], f, strict=True))
+            z_cur = self._logit("current", stats, recent, hidden)
+            z_next = self._logit("next", stats, recent, hidden)
+        else:
+            k = len(FEATURE_NAMES)
+            f = feature_vector(stats, recent)
+            h_cur, h_next = (hidden.float().cpu() @ both).tolist()
+            z_cur = h_cur + sum(w * x for w, x in zip(self.current[:k], f, strict=True))
+            z_next = h_next + sum(w * x for w, x in zip(self.next[:k], f, strict=True))
+        z_cur, z_next = z_cur + offset, z_next + offset
         w_recent = self.next[RECENT]
         z_next -= w_recent * recent
         later = []
@@ -89,32 +96,6 @@ class ModeModel:
                 raise ValueError("this acceptance model reads the draft's hidden state")
             z += float(hidden.float().cpu() @ part)
         return z
-
-    def _predict(self, name: str, stats: list[float], recent: float,
-                 hidden: torch.Tensor | None) -> float:  # fmt: skip
-        return logistic(self._logit(name, stats, recent, hidden))
-
-    def next_path(self, stats: list[float], recent: float, hidden: torch.Tensor | None,
-                  n: int, decay: float) -> list[float]:  # fmt: skip
-        """The `next` model for the n tokens after this one along the path where each is
-        accepted (what a later token's worth is conditional on): recent acceptance rising by
-        an accepted outcome per token, the draft's features as seen here."""
-        z = self._logit("next", stats, recent, hidden) - self.next[RECENT] * recent
-        out = []
-        for _ in range(n):
-            out.append(logistic(z + self.next[RECENT] * recent))
-            recent = decay * recent + (1 - decay)
-        return out
-
-    def p_current(self, stats: list[float], recent: float,
-                  hidden: torch.Tensor | None = None) -> float:  # fmt: skip
-        """P(the token about to be drafted from this distribution is accepted)."""
-        return self._predict("current", stats, recent, hidden)
-
-    def p_next(self, stats: list[float], recent: float,
-               hidden: torch.Tensor | None = None) -> float:  # fmt: skip
-        """P(the token after it is accepted), read before the forward that would show it."""
-        return self._predict("next", stats, recent, hidden)
 
     def p_head(self, hidden: torch.Tensor) -> float:
         """The SpecDec++-style head's P(accept) from the draft's state alone."""

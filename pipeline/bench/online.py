@@ -105,8 +105,9 @@ def bench_policy(pair: ModelPair, prompts: list[list[int]], name: str | Callable
 
 def bench_policies(pair: ModelPair, prompts: list[list[int]],
                    specs: list[tuple[str | Callable, dict, str | None]], temperature: float,
-                   max_new_tokens: int,
-                   artifacts: PolicyArtifacts | None = None) -> list[BenchRow]:  # fmt: skip
+                   max_new_tokens: int, artifacts: PolicyArtifacts | None = None,
+                   progress: Callable[[str], None] = lambda line: None,
+                   ) -> list[BenchRow]:  # fmt: skip
     """bench_policy for each (name, knobs, label) in ``specs``, interleaved: every policy
     decodes prompt j before any decodes prompt j + 1, in an order that rotates with j. A
     machine whose speed drifts during the run (a shared CPU drifts by tens of percent within
@@ -117,6 +118,7 @@ def bench_policies(pair: ModelPair, prompts: list[list[int]],
     outputs: list[list[list[int]]] = [[] for _ in specs]
     steps: list[list[list[StepRecord]]] = [[] for _ in specs]
     for seed, ids in enumerate(prompts):
+        progress(f"T={temperature:g} prompt {seed + 1}/{len(prompts)}")
         for turn in range(len(specs)):
             i = (turn + seed) % len(specs)
             name, knobs, _ = specs[i]
@@ -257,7 +259,8 @@ def run_online_bench(
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
         progress(f"T={temp:g}: {len(policies)} policies, interleaved prompt by prompt")
         specs = [(name, knobs, None) for name, knobs in policies]
-        for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts):
+        for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts,
+                                  progress):  # fmt: skip
             _price(row, pair, prompts, artifacts)
             if bounded and not row.tree:
                 progress(f"T={temp:g} {row.label}: the oracle on its text")

@@ -34,11 +34,10 @@ itself, which keeps sampling lossless.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.acceptance.features import MAX_MATCH, NgramIndex, logistic, position_stats
+from pipeline.acceptance.features import MAX_MATCH, NgramIndex, position_stats
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
@@ -56,16 +55,8 @@ DEFAULT_MAX_K = 12
 # the optimum of a chain whose every token is accepted at the model's training mean, worth
 # PRIOR_TOKENS tokens, and forgets by RATE_DECAY per step.
 RATE_DECAY = 0.95
-MAX_OFFSET = 3.0  # the online logit correction stays within this
-
-
-def shifted(p: float, offset: float) -> float:
-    """p with ``offset`` added to its logit."""
-    p = min(max(p, 1e-9), 1 - 1e-9)
-    return logistic(math.log(p / (1 - p)) + offset)
-
-
 PRIOR_TOKENS = 16.0
+MAX_OFFSET = 3.0  # the online logit correction stays within this
 
 
 @dataclass
@@ -122,6 +113,8 @@ class ThroughputPolicy(Policy):
         self._catchup: list[bool] = []  # outcomes seen in this step's catch-up (greedy)
         self._prior = 0.0  # the mode's training mean, set by propose
         self._offset = 0.0  # this generation's logit correction to the acceptance model
+        self._tt: list[float] = []  # the price tables (_price_tables)
+        self._td: list[float] = []
         self._predicted: list[float] = []  # P(accept) of each token drafted this step
         self._index = NgramIndex()  # the committed text's n-grams, for the context match
         self.decisions = []
@@ -139,10 +132,14 @@ class ThroughputPolicy(Policy):
         return self.cost.t_target(m, self.acceptance.union(m), self._ctx)
 
     def _price_tables(self) -> None:
-        """This step's T_T(m) for m = 1 .. max_k + 1 and T_D(n) for n = 0 .. max_k: every
-        plan is then priced by arithmetic on two short lists."""
+        """T_T(m) for m = 1 .. max_k + 1 and T_D(n) for n = 0 .. max_k, once per generation:
+        every plan is then priced by arithmetic on two short lists. Plans compare differences
+        of T_T, in which the context term c L cancels, so the tables leave it out."""
         assert self.max_k is not None
-        self._tt = [0.0] + [self._t_target(m) for m in range(1, self.max_k + 2)]
+        if self._tt:
+            return
+        self._tt = [0.0] + [self.cost.t_target(m, self.acceptance.union(m), 0)
+                            for m in range(1, self.max_k + 2)]  # fmt: skip
         self._td = [self.cost.t_draft(n) for n in range(self.max_k + 1)]
 
     def _rate(self) -> float:
@@ -235,10 +232,8 @@ class ThroughputPolicy(Policy):
             stats = position_stats(probs, self._index, tail)
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
-            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay)
-            if self._offset:
-                a_now = shifted(a_now, self._offset)
-                later = [shifted(a, self._offset) for a in later]
+            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay,
+                                           self._offset)  # fmt: skip
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not self._pays(
                 rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True

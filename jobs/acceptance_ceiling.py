@@ -1,0 +1,112 @@
+"""The informed ceiling (pipeline/acceptance/ceiling.py): per domain and temperature, how much
+any chain policy could gain over the best fixed draft length if it knew every position's
+acceptance probability exactly, on the benchmark's own prompts and priced by the pair's cost
+model. At T > 0 this bounds what an online policy can reach (it knows less); at T = 0 the
+probabilities are the outcomes, so it is the oracle's bound.
+
+The target decodes the first --limit prompts of each domain (what `bench_online` runs) at each
+temperature; one teacher-forced pass labels every position (pipeline/acceptance/traces.py).
+
+    python -m jobs.acceptance_ceiling                                   # the embedded pair
+    python -m jobs.acceptance_ceiling --draft models/draft-2layer --artifacts models/draft-2layer
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jobs.cli import add_model_args, parser, run, torch_threads
+from pipeline.acceptance.ceiling import Ceiling, ceiling
+from pipeline.acceptance.model import AcceptanceModel
+from pipeline.acceptance.traces import collect_traces, load_traces, prompt_ids, save_traces
+from pipeline.cost.model import CostModel
+from pipeline.data.domains import DOMAINS, load_domain
+from pipeline.models.loading import REPO_ROOT, load_pair
+from pipeline.tracking import tracked_run
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("jobs.acceptance_ceiling", __doc__)
+    add_model_args(p)
+    p.add_argument("--artifacts", type=Path, default=REPO_ROOT / "models", metavar="DIR",
+                   help="the pair's costmodel.json and acceptance.json (its expert unions by "
+                        "m) (models/)")  # fmt: skip
+    p.add_argument("--limit", type=int, default=8, help="prompts per domain, the bench's (8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (64)")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
+    p.add_argument("--max-k", type=int, default=12, help="longest chain (12)")
+    p.add_argument("--fixed", default="1,2,3,4,5,6,8", help="fixed K compared (1,2,3,4,5,6,8)")
+    p.add_argument("--traces", type=Path, default=None,
+                   help="an .npz to save the traces to, or to read when it exists")  # fmt: skip
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    args = p.parse_args(argv)
+    try:
+        args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+        args.fixed = [int(k) for k in args.fixed.split(",") if k.strip()]
+    except ValueError:
+        p.error("--temperatures takes numbers and --fixed integers, comma-separated")
+    if not args.temperatures or min(args.temperatures) < 0:
+        p.error("--temperatures needs at least one value, none negative")
+    if args.limit < 1 or args.max_new_tokens < 1 or args.max_k < 1:
+        p.error("--limit, --max-new-tokens and --max-k must be >= 1")
+    if not args.fixed or min(args.fixed) < 1 or max(args.fixed) > args.max_k:
+        p.error(f"--fixed must lie in 1 .. --max-k ({args.max_k})")
+    for name in ("costmodel.json", "acceptance.json"):
+        if not (args.artifacts / name).exists():
+            p.error(f"--artifacts {args.artifacts}: no {name}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
+    args = parse_args(argv)
+    pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
+    cost = CostModel.load(args.artifacts / "costmodel.json")
+    acceptance = AcceptanceModel.load(args.artifacts / "acceptance.json")
+    cost.require_m(range(1, args.max_k + 2), f"--max-k {args.max_k}")
+    prompts = {name: load_domain(name, args.limit) for name in DOMAINS}
+    flat = [p for chosen in prompts.values() for p in chosen]
+    if args.traces is not None and args.traces.exists():
+        traces, _, _ = load_traces(args.traces)
+        print(f"{len(traces)} traces read from {args.traces}", flush=True)
+    else:
+        print(f"tracing {len(flat)} prompts x T in {args.temperatures}, {args.max_new_tokens} "
+              "tokens each", flush=True)  # fmt: skip
+        with torch_threads(args.threads):
+            traces, unions = collect_traces(
+                pair, flat, args.temperatures, args.max_new_tokens, 1,
+                log=lambda line: print(line, flush=True),
+            )  # fmt: skip
+        if args.traces is not None:
+            save_traces(args.traces, traces, unions, {"prompts": [p.prompt_id for p in flat]})
+    context = {p.prompt_id: len(prompt_ids(pair, p)) for p in flat}
+
+    def step_for(prompt_id: str):
+        def step(k: int, t: int) -> float:
+            return cost.t_draft(k) + cost.t_target(k + 1, acceptance.union(k + 1),
+                                                   context[prompt_id] + t)  # fmt: skip
+
+        return step
+
+    results: dict[tuple[str, float], Ceiling] = {}
+    print("\ndomain  T    best fixed K  ceiling over best fixed  ceiling over ar  (modelled)")
+    for temp in args.temperatures:
+        for name, chosen in prompts.items():
+            ids = {p.prompt_id for p in chosen}
+            mine = [t for t in traces if t.temperature == temp and t.prompt_id in ids]
+            if not mine:
+                raise ValueError(f"no traces of {name} at T={temp:g} in {args.traces}: remove "
+                                 "the file to trace again")  # fmt: skip
+            res = ceiling([t.labels for t in mine], lambda i, mine=mine: step_for(
+                mine[i].prompt_id), args.max_k, args.fixed)  # fmt: skip
+            results[(name, temp)] = res
+            print(f"{name:6s}  {temp:<4g} {res.best_k:>12d}  {res.gain_over_best_fixed:>22.3f}x"
+                  f"  {res.speedup_over_ar:>14.3f}x")  # fmt: skip
+    with tracked_run("acceptance_ceiling", params={k: str(v) for k, v in vars(args).items()}) as t:
+        t.log_metrics({f"{n}_T{temp:g}_ceiling_over_best_fixed": r.gain_over_best_fixed
+                       for (n, temp), r in results.items()})  # fmt: skip
+    return results
+
+
+if __name__ == "__main__":
+    run(main)
