@@ -141,3 +141,29 @@ def test_online_correction_moves_the_logit_towards_the_outcomes(pair, ids, artif
     elif hits == 0:
         assert policy._offset < 0
     assert policy._offset != 0.0
+
+
+def test_retiming_scales_each_side_by_measured_over_modelled(artifacts):
+    from pipeline.decode.policies.prices import RETIME_LIMITS, PriceTables
+    from pipeline.decode.types import StepRecord
+
+    cost, union = artifacts.cost, artifacts.acceptance.union
+    prices = PriceTables(cost, union, 4, retime=True)
+    assert prices.scale("draft") == prices.scale("target") == 1.0
+    t_d = cost.t_draft(3)
+    t_t = cost.t_target(4, 7.0, 100)
+    for _ in range(40):  # the draft runs twice as slow as modelled, the target as modelled
+        record = StepRecord(3, 4, 2, 3, [7] * 4, 2 * t_d, t_t, draft_forwards=3)
+        prices.step_price(record, 100)
+    assert prices.scale("draft") == pytest.approx(2.0, rel=0.02)
+    assert prices.scale("target") == pytest.approx(1.0)
+    prices.refresh()
+    assert prices.td[3] == pytest.approx(prices.scale("draft") * cost.t_draft(3))
+    plain = StepRecord(0, 1, 0, 1, [4] * 4, 0.01, 100 * t_t, draft_forwards=0)
+    for _ in range(40):  # plain steps leave the draft's scale alone; a scale is bounded
+        prices.step_price(plain, 100)
+    assert prices.scale("draft") == pytest.approx(2.0, rel=0.02)
+    assert prices.scale("target") == RETIME_LIMITS[1]
+    off = PriceTables(cost, union, 4, retime=False)
+    off.step_price(record, 100)
+    assert off.scale("draft") == 1.0 and off.step_price(record, 100) == pytest.approx(t_d + t_t)

@@ -44,6 +44,7 @@ from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, resolve_max_k
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.policies.prices import PriceTables
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class ThroughputPolicy(Policy):
     rate: float | None = None  # fixed ms per token instead of the generation's own
     step_overhead_ms: float = 0.0
     adapt: float = 0.2
+    retime: bool = False
     name = "throughput"
     summary = ("ours: draft while a token's expected value at the generation's own cost per "
                "token exceeds its modelled cost (acceptance learned offline)")  # fmt: skip
@@ -83,6 +85,9 @@ class ThroughputPolicy(Policy):
         Knob("adapt", float, 0.2, 0.0, 1.0,
              help="learning rate of the online correction of the acceptance model's logit "
                   "from this generation's outcomes (0: off)"),
+        Knob("retime", bool, False,
+             help="scale the cost model's draft and target prices by this generation's "
+                  "measured over modelled step times (off: measured no better, docs/online.md)"),
         Knob("rate", float, None, 0.0, low_open=True, title="rate",
              help="ms per token a drafted token is worth (default: the generation's own "
                   "modelled cost per token, as it goes)"),
@@ -113,8 +118,9 @@ class ThroughputPolicy(Policy):
         self._catchup: list[bool] = []  # outcomes seen in this step's catch-up (greedy)
         self._prior = 0.0  # the mode's training mean, set by propose
         self._offset = 0.0  # this generation's logit correction to the acceptance model
-        self._tt: list[float] = []  # the price tables (_price_tables)
-        self._td: list[float] = []
+        assert self.max_k is not None
+        self.prices = PriceTables(self.cost, self.acceptance.union, self.max_k, self.retime)
+        self._td, self._tt = self.prices.td, self.prices.tt  # this step's tables
         self._predicted: list[float] = []  # P(accept) of each token drafted this step
         self._index = NgramIndex()  # the committed text's n-grams, for the context match
         self.decisions = []
@@ -130,17 +136,6 @@ class ThroughputPolicy(Policy):
     # -- pricing -------------------------------------------------------------------------
     def _t_target(self, m: int) -> float:
         return self.cost.t_target(m, self.acceptance.union(m), self._ctx)
-
-    def _price_tables(self) -> None:
-        """T_T(m) for m = 1 .. max_k + 1 and T_D(n) for n = 0 .. max_k, once per generation:
-        every plan is then priced by arithmetic on two short lists. Plans compare differences
-        of T_T, in which the context term c L cancels, so the tables leave it out."""
-        assert self.max_k is not None
-        if self._tt:
-            return
-        self._tt = [0.0] + [self.cost.t_target(m, self.acceptance.union(m), 0)
-                            for m in range(1, self.max_k + 2)]  # fmt: skip
-        self._td = [self.cost.t_draft(n) for n in range(self.max_k + 1)]
 
     def _rate(self) -> float:
         """ms per token a drafted token is worth: the knob, else the generation's own."""
@@ -215,7 +210,8 @@ class ThroughputPolicy(Policy):
         recent = mode.prior if self._recent is None else self._recent
         self._ctx = len(committed)
         rho, k_max = self._rate(), self.max_k
-        self._price_tables()
+        self.prices.refresh()
+        self._td, self._tt = self.prices.td, self.prices.tt
         cands = Candidates()
         self._predicted = []
         probe = self._plain_run >= self.probe_every
@@ -288,12 +284,7 @@ class ThroughputPolicy(Policy):
                 self._offset += self.adapt * ((j < outcome.accepted) - self._predicted[j])
             self._offset = max(-MAX_OFFSET, min(MAX_OFFSET, self._offset))
             self._catchup = []
-        u = record.u_bar if record.unique_experts else self.acceptance.union(record.verified)
-        price = (
-            self.cost.t_draft(record.draft_forwards)
-            + self.cost.t_target(record.verified, u, self._ctx)
-            + self.step_overhead_ms
-        )
+        price = self.prices.step_price(record, self._ctx, self.step_overhead_ms)
         self.achieved_rate()  # the prior sums, if this is the first step
         assert self._price_sum is not None
         self._price_sum = RATE_DECAY * self._price_sum + price
