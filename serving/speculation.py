@@ -17,9 +17,10 @@ from serving.errors import RequestError
 log = logging.getLogger("ray.serve")
 
 # The fastest overall in issue 16's benchmark on the served pair (docs/online.md: three runs,
-# T = 0 and 1; `throughput` is level at T = 0 and behind at T = 1); its acceptance head is in
-# the committed models/acceptance.json.
-DEFAULT_POLICY = "specdec"
+# T = 0 and 1; 1.19-1.22x the best fixed K at T = 0, where `specdec` reaches 1.06-1.08x, and
+# 0.91-0.94x at T = 1, where `specdec` reaches 0.98-0.99x); its acceptance model is the
+# committed models/acceptance.json.
+DEFAULT_POLICY = "throughput"
 DEFAULT_KNOBS: dict[str, Any] = {}
 # The default where the artifacts (acceptance.json) did not load: a request without a
 # `speculation` field is still served, by the previous default.

@@ -230,7 +230,7 @@ def test_openai_client_completion_and_stream(client, pair):
     assert done.usage.completion_tokens == len(ref_tokens)
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
     stats = done.model_extra["speculation"]
-    assert stats["policy"] == "specdec" and stats["knobs"] == {}  # the default
+    assert stats["policy"] == "throughput" and stats["knobs"] == {}  # the default
     assert 0 < stats["drafted_per_step"] <= 12  # it speculates on code, at most max_k a step
     _check_stats(stats, done.usage.completion_tokens, pair.spec, elapsed_ms)
 
