@@ -187,3 +187,13 @@ def test_saved_traces_carry_their_pair_and_settings(tmp_path):
     assert meta_back == meta and unions.means() == [4.0, 6.0]
     assert back.prompt_id == "p" and back.labels.tolist() == [0.5, 0.6, 0.7]
     assert back.hidden.shape == (3, 2)
+
+
+def test_traces_of_an_older_feature_set_are_refused(tmp_path):
+    from pipeline.acceptance.traces import UnionCounts, load_traces, save_traces
+
+    old = AcceptanceTrace("p", 0.0, np.zeros((3, 4)), np.array([1.0, 0.0, 1.0]), np.ones((3, 2)))
+    path = tmp_path / "old.npz"
+    save_traces(path, [old], UnionCounts(np.array([4.0]), np.array([1.0])), {})
+    with pytest.raises(ValueError, match="remove the file"):
+        load_traces(path)

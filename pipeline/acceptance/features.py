@@ -76,23 +76,26 @@ def distribution_stats(probs: torch.Tensor) -> torch.Tensor:
     return torch.stack([conf.clamp_min(1e-9).log(), conf, entropy, conf - top[..., 1]], dim=-1)
 
 
-def stats_of(probs: torch.Tensor) -> list[float]:
-    """distribution_stats of one distribution as floats, with fewer tensor operations (it
-    runs once per draft token while deciding)."""
-    top1, top2 = probs.topk(2).values.tolist()
+def _top_stats(probs: torch.Tensor) -> tuple[list[float], int]:
+    """distribution_stats of one distribution as floats, and its top token, with few tensor
+    operations (this runs once per draft token while deciding)."""
+    top = probs.topk(2)
+    top1, top2 = top.values.tolist()
     entropy = float(torch.special.entr(probs).sum())
-    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2]
+    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2], int(top.indices[0])
+
+
+def stats_of(probs: torch.Tensor) -> list[float]:
+    """distribution_stats of one distribution as floats."""
+    return _top_stats(probs)[0]
 
 
 def position_stats(probs: torch.Tensor, index: NgramIndex, tail: list[int]) -> list[float]:
     """What the model reads at one draft position, bar recent acceptance: stats_of(probs) and
     the context match of its top token after ``tail`` (the text's last tokens, chain
     included) in ``index`` (the committed text)."""
-    top = probs.topk(2)
-    top1, top2 = top.values.tolist()
-    entropy = float(torch.special.entr(probs).sum())
-    n = index.match(tail, int(top.indices[0]))
-    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2, *match_features(n)]
+    stats, top = _top_stats(probs)
+    return [*stats, *match_features(index.match(tail, top))]
 
 
 def feature_vector(stats: list[float], recent: float) -> list[float]:

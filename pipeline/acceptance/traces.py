@@ -147,6 +147,10 @@ def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts,
 
 def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
     data = np.load(path)
+    width = len(FEATURE_NAMES) - 2
+    if data["stats"].shape[1] != width:
+        raise ValueError(f"{path}: traces with {data['stats'].shape[1]} features per position, "
+                         f"this version reads {width}; remove the file to trace again")  # fmt: skip
     ends = np.cumsum(data["lengths"])
     starts = ends - data["lengths"]
     traces = [
@@ -158,8 +162,4 @@ def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
         )  # fmt: skip
     ]
     meta = json.loads(str(data["meta"])) if "meta" in data else {}
-    width = len(FEATURE_NAMES) - 2
-    if data["stats"].shape[1] != width:
-        raise ValueError(f"{path}: traces with {data['stats'].shape[1]} features per position, "
-                         f"this version reads {width}; remove the file to trace again")  # fmt: skip
     return traces, UnionCounts(data["union_sums"], data["union_counts"]), meta
