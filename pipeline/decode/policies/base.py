@@ -15,6 +15,7 @@ from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:
+    from pipeline.acceptance.model import AcceptanceModel
     from pipeline.cost.model import CostModel
     from pipeline.decode.policies.artifacts import PolicyArtifacts
 
@@ -55,6 +56,14 @@ class Policy:
 
     def update(self, outcome: StepOutcome) -> None:
         """Adapt from the last step (most policies do not)."""
+
+
+def require_acceptance(name: str, artifacts: PolicyArtifacts | None) -> AcceptanceModel:
+    """The acceptance model a policy reads, or an error that says how to train one."""
+    if artifacts is None or artifacts.acceptance is None:
+        raise ValueError(f"{name} needs an acceptance model (acceptance.json): train one with "
+                         "python -m jobs.train_acceptance")  # fmt: skip
+    return artifacts.acceptance
 
 
 def resolve_max_k(name: str, cost: CostModel, max_k: int | None, default: int) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.acceptance.model import AcceptanceModel
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.base import Policy, require_acceptance
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork, chain_work
 from pipeline.decode.types import Candidates
@@ -42,11 +42,7 @@ class SpecDecPolicy(Policy):
 
     @classmethod
     def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
-        assert artifacts is not None
-        if artifacts.acceptance is None:
-            raise ValueError("specdec needs an acceptance head (acceptance.json): train one "
-                             "with python -m jobs.train_acceptance")  # fmt: skip
-        return cls(artifacts.acceptance, **knobs)
+        return cls(require_acceptance(cls.name, artifacts), **knobs)
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         cands = Candidates()

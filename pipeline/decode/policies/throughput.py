@@ -41,7 +41,7 @@ from pipeline.acceptance.features import MAX_MATCH, NgramIndex, position_stats
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.base import Policy, resolve_max_k
+from pipeline.decode.policies.base import Policy, require_acceptance, resolve_max_k
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.policies.prices import PriceTables
@@ -97,11 +97,9 @@ class ThroughputPolicy(Policy):
 
     @classmethod
     def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
+        acceptance = require_acceptance(cls.name, artifacts)
         assert artifacts is not None
-        if artifacts.acceptance is None:
-            raise ValueError("throughput needs an acceptance model (acceptance.json): train "
-                             "one with python -m jobs.train_acceptance")  # fmt: skip
-        return cls(artifacts.cost, artifacts.acceptance, **knobs)
+        return cls(artifacts.cost, acceptance, **knobs)
 
     def __post_init__(self) -> None:
         super().__post_init__()
