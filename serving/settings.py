@@ -25,6 +25,9 @@ class AppArgs(BaseModel):
     num_cpus: float = Field(1.0, ge=0)  # <= 1 on small machines: the proxy needs a core
     num_gpus: float | None = Field(None, ge=0)  # None: 1 if this machine has CUDA, else 0
     max_ongoing_requests: int = Field(8, ge=1)
+    # Generations the replica advances together in one batched engine step (continuous
+    # batching); 1 decodes them one at a time, round robin.
+    max_batch: int = Field(16, ge=1)
     # Work of one engine step, jointly over a policy's knobs (pipeline.decode.policies.limits).
     max_draft_forwards_per_step: int = Field(StepLimits.max_draft_forwards, ge=1)
     max_draft_tokens_per_step: int = Field(StepLimits.max_draft_tokens, ge=1)

@@ -132,32 +132,39 @@ class DecodeWorker:
         """Run one step of ``task``; False once it has ended (its outcome delivered)."""
         self._step_began = time.monotonic()
         try:
-            if task.steps is None and (task.cancel.is_set() or time.monotonic() >= task.deadline):
-                # Ended before it began (client gone, deadline passed while queued, shutdown):
-                # no prefill for nobody.
-                reason = "cancelled" if task.cancel.is_set() else "deadline"
-                self.counts[reason] += 1
-                task.deliver(Generation([], "", reason, []))
-                return False
-            if task.steps is None:
-                task.stream = self.engine.stream(
-                    task.prompt_ids, task.policy, task.max_tokens, task.sampling, task.seed,
-                    task.stops,
-                )  # fmt: skip
-                task.steps = task.stream.step_deltas(task.cancel.is_set, task.deadline)
-            delta = next(task.steps)
-        except StopIteration:
-            result: Generation = task.stream.result
-            reason = result.finish_reason
-            self.counts[reason if reason in ("cancelled", "deadline") else "completed"] += 1
-            task.deliver(result)
-            return False
-        except BaseException as exc:  # handed to the request's coroutine
-            self.counts["failed"] += 1
-            log.warning("generation failed: %s: %s", type(exc).__name__, exc)
-            task.deliver(exc)
-            return False
+            return advance(self.engine, task, self.counts)
         finally:
             self._step_began = None
-        task.deliver(delta)
-        return True
+
+
+def advance(engine: SpeculativeEngine, task: DecodeTask, counts: dict[str, int]) -> bool:
+    """Run one step of ``task`` on ``engine``; False once it has ended (its outcome delivered
+    and counted in ``counts``)."""
+    try:
+        if task.steps is None and (task.cancel.is_set() or time.monotonic() >= task.deadline):
+            # Ended before it began (client gone, deadline passed while queued, shutdown):
+            # no prefill for nobody.
+            reason = "cancelled" if task.cancel.is_set() else "deadline"
+            counts[reason] += 1
+            task.deliver(Generation([], "", reason, []))
+            return False
+        if task.steps is None:
+            task.stream = engine.stream(
+                task.prompt_ids, task.policy, task.max_tokens, task.sampling, task.seed,
+                task.stops,
+            )  # fmt: skip
+            task.steps = task.stream.step_deltas(task.cancel.is_set, task.deadline)
+        delta = next(task.steps)
+    except StopIteration:
+        result: Generation = task.stream.result
+        reason = result.finish_reason
+        counts[reason if reason in ("cancelled", "deadline") else "completed"] += 1
+        task.deliver(result)
+        return False
+    except BaseException as exc:  # handed to the request's coroutine
+        counts["failed"] += 1
+        log.warning("generation failed: %s: %s", type(exc).__name__, exc)
+        task.deliver(exc)
+        return False
+    task.deliver(delta)
+    return True

@@ -55,6 +55,7 @@ SMALL_KNOBS: dict[str, dict[str, Any]] = {
     "adaedl": {"gamma": 0.5, "lam": 0.22, "max_k": 2},  # entropies here: 1.1-1.3 nats
     "specdec": {"threshold": 0.15, "max_k": 2},  # the head's P(accept): 0.64-0.97 here
     "throughput": {"max_k": 2, "probe_every": 1, "rate": 1.5},  # a token worth 1.5 ms
+    "batch": {"max_k": 2, "probe_every": 1},
 }
 # Proposal sizes each policy must show over all paths (its rule really branches).
 MUST_PROPOSE = {"heuristic": {1, 2}, "confidence": {1, 2}, "marginal": {0, 1, 2},

@@ -184,3 +184,105 @@ def test_every_turn_must_be_a_string(tmp_path: Path) -> None:
     path.write_text('{"question_id": 1, "category": "writing", "turns": ["first", 2]}\n')
     with pytest.raises(PromptSourceError, match=f"{path}:1: 'turns' must contain only strings"):
         load_jsonl(path)
+
+
+def _conversation(cid: str, *turns: tuple[str, str]) -> dict:
+    return {"id": cid, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+# What a ShareGPT file holds besides ordinary two-turn conversations, and whether it qualifies.
+SHAREGPT_CASES = [
+    (_conversation("ok", ("human", "Write a haiku."), ("gpt", "Leaves fall.")), True),
+    (_conversation("user", ("user", "Hi there"), ("assistant", "Hello")), True),
+    (_conversation("one-turn", ("human", "Anyone here?")), False),
+    (_conversation("gpt-first", ("gpt", "continued answer"), ("human", "thanks")), False),
+    (_conversation("system-first", ("system", "be nice"), ("human", "hello")), False),
+    (_conversation("blank", ("human", "  \n "), ("gpt", "?")), False),
+    (_conversation("short", ("human", " ab "), ("gpt", "?")), False),
+    (_conversation("long", ("human", "x" * 1025), ("gpt", "too long")), False),
+    # 400 characters but 1200 UTF-8 bytes: the byte-level tokenizer could need 1200 tokens.
+    (_conversation("wide", ("human", "\u4f60" * 400), ("gpt", "no")), False),
+    (_conversation("edge", ("human", "y" * 1024), ("gpt", "fits")), True),
+    (_conversation("ok", ("human", "Same id again"), ("human", "no reply")), True),
+]
+
+
+def _sharegpt_file(path: Path, records: list[dict]) -> Path:
+    path.write_text(json.dumps(records, indent=2, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def test_sharegpt_keeps_first_human_turns_within_bounds(tmp_path: Path) -> None:
+    from pipeline.data.sharegpt import load_sharegpt
+
+    path = _sharegpt_file(tmp_path / "s.json", [r for r, _ in SHAREGPT_CASES])
+    prompts = load_sharegpt(path=path)
+    expected = {r["conversations"][0]["value"] for r, keep in SHAREGPT_CASES if keep}
+    assert {p.text for p in prompts} == expected and len(prompts) == len(expected)
+    by_id = {p.prompt_id: p for p in prompts}
+    assert set(by_id) == {"ok", "user", "edge", "ok#2"}  # a repeated id is made unique
+    assert by_id["ok"].reference == "Leaves fall." and by_id["ok#2"].reference is None
+    assert all(p.category == p.source == "sharegpt" for p in prompts)
+
+
+def test_sharegpt_is_a_seeded_shuffle_and_limit_takes_its_prefix(tmp_path: Path) -> None:
+    from pipeline.data.sharegpt import load_sharegpt
+
+    records = [_conversation(f"c{i}", ("human", f"question {i}"), ("gpt", "a")) for i in range(30)]
+    path = _sharegpt_file(tmp_path / "s.json", records)
+    first = [p.prompt_id for p in load_sharegpt(path=path)]
+    assert first == [p.prompt_id for p in load_sharegpt(path=path)]
+    assert sorted(first) == sorted(f"c{i}" for i in range(30)) and first != sorted(first)
+    assert first != [p.prompt_id for p in load_sharegpt(path=path, seed=1)]
+    assert [p.prompt_id for p in load_sharegpt(5, path=path)] == first[:5]
+    assert load_sharegpt(0, path=path) == []
+    with pytest.raises(PromptSourceError, match="limit"):
+        load_sharegpt(-1, path=path)
+
+
+def test_sharegpt_file_cut_anywhere_in_its_last_record_keeps_the_others(tmp_path: Path) -> None:
+    """The packaged file stops mid-record; wherever a cut falls in the last record (inside a
+    string, an escape, a multi-byte character, between tokens), the records before it load."""
+    from pipeline.data.sharegpt import load_sharegpt
+
+    records = [_conversation(f"c{i}", ("human", f"question {i}"), ("gpt", "a")) for i in range(3)]
+    last = _conversation("cut", ("human", 'say "\u00e9\u4f60" \\ \u2603'), ("gpt", "b"))
+    whole = json.dumps([*records, last], indent=2).encode()  # \u escapes in strings
+    raw = json.dumps([*records, last], indent=2, ensure_ascii=False).encode()  # UTF-8 bytes
+    expected = load_sharegpt(path=_sharegpt_file(tmp_path / "ok.json", records))
+    for data in (whole, raw):
+        start = data.rindex(b'{\n    "id": "cut"')
+        end = data.rindex(b"}")  # the last record's closing brace (the array's ] follows)
+        for cut in range(start, end):
+            path = tmp_path / "cut.json"
+            path.write_bytes(data[:cut])
+            assert load_sharegpt(path=path) == expected, data[start:cut]
+    assert len(load_sharegpt(path=_sharegpt_file(tmp_path / "all.json", [*records, last]))) == 4
+
+
+def test_sharegpt_malformed_record_before_the_end_is_an_error(tmp_path: Path) -> None:
+    from pipeline.data.sharegpt import load_sharegpt
+
+    good = json.dumps(_conversation("a", ("human", "hello"), ("gpt", "hi")))
+    path = tmp_path / "bad.json"
+    path.write_text(f'[{good}, {{"id": "b", "conversations": [}}, {good}]')
+    with pytest.raises(PromptSourceError, match="record 1: invalid JSON"):
+        load_sharegpt(path=path)
+    path.write_text(f'[{good}, {{"id": "b", "conversations": [{{"from": "human"}}]}}]')
+    with pytest.raises(PromptSourceError, match="record 1: turn 0 needs string"):
+        load_sharegpt(path=path)
+    path.write_text('{"conversations": []}')
+    with pytest.raises(PromptSourceError, match="expected a JSON array"):
+        load_sharegpt(path=path)
+
+
+def test_sharegpt_source_from_the_packaged_dataset() -> None:
+    from pipeline.data.sharegpt import MAX_PROMPT_BYTES, load_sharegpt
+
+    everything = load_sharegpt()
+    assert len(everything) > 8000  # the packaged (truncated) file's qualifying prompts
+    five = load_prompts("sharegpt", 5)
+    assert five == everything[:5] == load_prompts(" ShareGPT ", 5)
+    assert len({p.prompt_id for p in everything}) == len(everything)
+    assert all(len(p.text.strip()) >= 4 and len(p.text.encode()) <= MAX_PROMPT_BYTES
+               for p in everything)  # fmt: skip

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.cost.batch import BatchCost
+
 log = logging.getLogger(__name__)
 
 # What check_measured_on compares (pipeline.cost.provenance builds these dicts). The paths
@@ -57,6 +59,12 @@ class CostModel:
         distribution before stopping at k runs k + 1, a look that ended in k = 0 runs 1, and
         no draft (n = 0) costs nothing."""
         return self.draft_a * n + self.draft_b if n > 0 else 0.0
+
+    @property
+    def batch(self) -> BatchCost | None:
+        """The batch > 1 model (jobs.calibrate_batch), if this file has one."""
+        data = self.meta.get("batch")
+        return BatchCost.from_json(data) if data else None
 
     @property
     def max_m(self) -> int:
@@ -152,6 +160,8 @@ class CostModel:
                 draft_b=float(data["draft"]["b"]),
                 meta=meta,
             )
+            if meta.get("batch") is not None:
+                BatchCost.from_json(meta["batch"])  # a bad batch section fails here, named
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a specbound cost model: {exc!r}") from exc
 

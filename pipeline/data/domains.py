@@ -12,7 +12,8 @@ at run time:
   (``math_reasoning``, GSM8K-style worked references ending in ``#### <answer>``).
 
 ``load_prompts`` reads any prompt source a job's ``--source`` names: ``humaneval``, a domain,
-``domains`` (all of them) or a Spec-Bench / MT-bench JSONL path.
+``domains`` (all of them), ``sharegpt`` (conversational prompts, ``pipeline.data.sharegpt``) or
+a Spec-Bench / MT-bench JSONL path.
 
 Every loaded ``Prompt`` has its ``category`` set to the domain name so reports can group by it.
 ``Prompt`` has no field for the original Spec-Bench category; the shipped files' ids carry it
@@ -35,6 +36,7 @@ from pipeline.data.prompts import (
     load_humaneval,
     load_jsonl,
 )
+from pipeline.data.sharegpt import SHAREGPT_SOURCE, load_sharegpt
 
 # Same definition as pipeline.models.loading.REPO_ROOT, repeated so loading prompts does not
 # import torch and transformers.
@@ -116,7 +118,8 @@ def load_all_domains(limit: int | None = None) -> list[Prompt]:
 def load_prompts(source: str | os.PathLike[str], limit: int | None = None) -> list[Prompt]:
     """Load prompts from ``"humaneval"``, a path to a ``.jsonl`` file, a domain name of
     ``pipeline.data.domains`` (``code``, ``prose``, ``math``; category set to the domain) or
-    ``domains`` (all of them interleaved, ``limit`` split evenly)."""
+    ``domains`` (all of them interleaved, ``limit`` split evenly) or ``sharegpt`` (first human
+    turns of ShareGPT conversations, a seeded sample)."""
     if isinstance(source, str):
         name = source.strip().lower()
         if name == HUMANEVAL_SOURCE:
@@ -125,10 +128,13 @@ def load_prompts(source: str | os.PathLike[str], limit: int | None = None) -> li
             return load_domain(name, limit)
         if name == ALL_DOMAINS:
             return load_all_domains(limit)
+        if name == SHAREGPT_SOURCE:
+            return load_sharegpt(limit)
     if os.fspath(source).endswith(".jsonl"):
         return load_jsonl(source, limit)
     raise PromptSourceError(
         f"unknown prompt source {os.fspath(source)!r}: expected 'humaneval' or a path to a "
         "'.jsonl' file (Spec-Bench / MT-bench format), or a domain: "
-        f"{', '.join(repr(d) for d in DOMAINS)} or {ALL_DOMAINS!r} (all of them)"
+        f"{', '.join(repr(d) for d in DOMAINS)} or {ALL_DOMAINS!r} (all of them), or "
+        f"{SHAREGPT_SOURCE!r}"
     )

@@ -57,6 +57,92 @@ def greedy_continuation(
     return out
 
 
+def left_padded(
+    rows: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rows`` right-aligned in one batch: (ids, 2D attention mask, position ids). Each row's
+    positions count its own tokens from 0 (cumsum of the mask - 1; pads clamped to 0), so a
+    row sees the positions it would alone. Pads are token 0 (any id will do under the mask)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        if row:
+            ids[b, width - len(row) :] = torch.tensor(row)
+            mask[b, width - len(row) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+@torch.no_grad()
+def _greedy_batch(
+    model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None
+) -> list[list[int]]:
+    """One left-padded batch decoded together on one cache: every row takes its argmax each
+    step; a row that has emitted EOS keeps being fed (its tokens are dropped) until all rows
+    are done or the budget is spent."""
+    device = next(model.parameters()).device
+    ids, mask, positions = left_padded(prompts, device)
+    cache = DynamicCache(config=model.config)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    steps: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        logits = model(
+            ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        token = logits.argmax(-1)
+        steps.append(token)
+        if eos_id is not None:
+            done |= token == eos_id
+            if bool(done.all()):
+                break
+        ids = token.view(-1, 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+    out: list[list[int]] = []
+    for row in torch.stack(steps, dim=1).tolist():
+        end = row.index(eos_id) + 1 if eos_id in row else len(row)
+        out.append(row[:end])
+    return out
+
+
+def greedy_continuations(
+    model: PreTrainedModel,
+    prompts_ids: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | None,
+    batch_size: int = 16,
+) -> list[list[int]]:
+    """Greedy continuations of many prompts, ``batch_size`` at a time (prompts of similar
+    length share a batch, so little is padding); in the order given. ``batch_size=1`` is
+    ``greedy_continuation`` per prompt. A batched row equals its unbatched continuation except
+    where float rounding of the padded batch flips a near-tie of the argmax."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if any(not p for p in prompts_ids):
+        raise ValueError("every prompt needs at least one token")
+    if batch_size == 1:
+        return [greedy_continuation(model, p, max_new_tokens, eos_id) for p in prompts_ids]
+    order = sorted(range(len(prompts_ids)), key=lambda j: len(prompts_ids[j]))
+    out: list[list[int]] = [[] for _ in prompts_ids]
+    for start in range(0, len(order), batch_size):
+        group = order[start : start + batch_size]
+        batch = [prompts_ids[j] for j in group]
+        rows = (
+            _greedy_batch(model, batch, max_new_tokens, eos_id)
+            if len(batch) > 1
+            else [greedy_continuation(model, batch[0], max_new_tokens, eos_id)]
+        )
+        for j, row in zip(group, rows, strict=True):
+            out[j] = row
+    return out
+
+
 def build_references(
     prompts: list[Prompt],
     target: PreTrainedModel,
@@ -64,23 +150,29 @@ def build_references(
     max_new_tokens: int = 128,
     use_given: bool = False,
     max_prompt_tokens: int = 1024,
+    batch_size: int = 16,
 ) -> list[ReferenceSequence]:
-    """Tokenise prompts (keeping the last ``max_prompt_tokens``) and attach their responses."""
+    """Tokenise prompts (keeping the last ``max_prompt_tokens``) and attach their responses;
+    greedy ones are decoded ``batch_size`` prompts at a time (1: one by one)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    refs: list[ReferenceSequence] = []
-    for prompt in prompts:
+    encoded: list[list[int]] = []
+    responses: dict[int, tuple[list[int], str]] = {}
+    for j, prompt in enumerate(prompts):
         prompt_ids = encode(tokenizer, prompt.text, keep_last=max_prompt_tokens)
         if not prompt_ids:
             raise ValueError(f"prompt {prompt.prompt_id!r} has no tokens")
+        encoded.append(prompt_ids)
         if use_given and prompt.reference:
-            response = encode(tokenizer, prompt.reference)[:max_new_tokens]
-            source = "given"
-        else:
-            response = greedy_continuation(
-                target, prompt_ids, max_new_tokens, tokenizer.eos_token_id
-            )
-            source = "greedy"
+            responses[j] = (encode(tokenizer, prompt.reference)[:max_new_tokens], "given")
+    greedy = [j for j in range(len(prompts)) if j not in responses]
+    generated = greedy_continuations(
+        target, [encoded[j] for j in greedy], max_new_tokens, tokenizer.eos_token_id, batch_size
+    )
+    responses.update({j: (g, "greedy") for j, g in zip(greedy, generated, strict=True)})
+    refs: list[ReferenceSequence] = []
+    for j, prompt in enumerate(prompts):
+        response, source = responses[j]
         if not response:
             continue
         refs.append(
@@ -88,7 +180,7 @@ def build_references(
                 seq_id=prompt.prompt_id,
                 category=prompt.category,
                 source=source,
-                prompt_ids=tuple(prompt_ids),
+                prompt_ids=tuple(encoded[j]),
                 response_ids=tuple(response),
             )
         )

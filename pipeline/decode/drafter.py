@@ -32,7 +32,7 @@ class Drafter:
         self.pair = pair
         self.sampling = sampling
         self.rng = rng  # the session's one source of randomness (pipeline.decode.randomness)
-        self.cache = DynamicCache(config=pair.draft.config)
+        self.cache = self._new_cache()
         self.committed_len = 0
         self._tree_parents: list[int] = []  # nodes appended to the cache this step
         self.hidden: torch.Tensor | None = None  # [rows, hidden] of the last forward
@@ -42,6 +42,10 @@ class Drafter:
         self.limits = limits
         self.forwards = 0  # draft forward passes since the engine last reset it (one step)
         self.tokens = 0  # tokens those forwards fed the draft
+        self.in_prefill = self.in_begin = False
+
+    def _new_cache(self):
+        return DynamicCache(config=self.pair.draft.config)
 
     def start_step(self) -> None:
         """Reset the per-step counters (and so the step's budget)."""
@@ -54,30 +58,50 @@ class Drafter:
         return self._run(ids, **kw)
 
     def _run(self, ids: list[int], **kw) -> torch.Tensor:
-        t = torch.tensor([ids], device=self.pair.device)
         self.forwards += 1
         self.tokens += len(ids)
+        self.logits, self.hidden = self._model(ids, **kw)
+        return self.logits
+
+    # The cache and the model call, the only parts a batched drafter replaces
+    # (pipeline.decode.batched).
+    def _model(self, ids: list[int], **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, vocab], last hidden state [n, hidden]) of the new tokens."""
+        t = torch.tensor([ids], device=self.pair.device)
         out = self.pair.draft(
             t, past_key_values=self.cache, use_cache=True, output_hidden_states=True, **kw
         )
-        self.hidden = out.hidden_states[-1][0]
-        self.logits = out.logits[0]
-        return self.logits
+        return out.logits[0], out.hidden_states[-1][0]
+
+    def cached(self) -> int:
+        """Positions in the draft's cache."""
+        return self.cache.get_seq_length()
+
+    def _crop(self, length: int) -> None:
+        crop_to(self.cache, length)
 
     def prefill(self, ids: list[int]) -> None:
         """Feed the prompt (all but its last token) before the first step, as the target's
         prefill is, so that no step's draft time includes it."""
         if ids:
-            self._run(ids)  # unbudgeted: the prompt's length is the server's to bound
+            self.in_prefill = True  # (a batched drafter marks its forward as a prefill)
+            try:
+                self._run(ids)  # unbudgeted: the prompt's length is the server's to bound
+            finally:
+                self.in_prefill = False
             self._last_committed_hidden = self.hidden[-1]
             self.committed_len = len(ids)  # what end() rolls back to, even with no draft
 
     def begin(self, committed: list[int]) -> torch.Tensor:
         """Feed committed tokens the cache lacks; the distribution after the last one."""
-        pending = committed[self.cache.get_seq_length() :]
+        pending = committed[self.cached() :]
         self.committed_len = len(committed)
         self._tree_parents = []
-        logits = self._forward(pending)
+        self.in_begin = True  # (a batched drafter marks a step's first forward)
+        try:
+            logits = self._forward(pending)
+        finally:
+            self.in_begin = False
         # The state after the second-to-last committed token: in this forward when it fed two
         # or more tokens, else the last committed state of the previous step.
         if len(pending) >= 2:
@@ -119,4 +143,4 @@ class Drafter:
         return self.rng.categorical(probs)
 
     def end(self) -> None:
-        crop_to(self.cache, self.committed_len)
+        self._crop(self.committed_len)

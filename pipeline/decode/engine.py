@@ -46,19 +46,38 @@ class DecodeSession:
         self.rng = rng if rng is not None else TorchRandom(0 if seed is None else seed)
         self.committed = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
-        self.target_cache = DynamicCache(config=pair.target.config)
         self.limits = limits
-        self.drafter = Drafter(pair, sampling, self.rng, limits)
+        self.drafter = self._new_drafter()
         with torch.no_grad():
-            if len(self.committed) > 1:
-                ids = torch.tensor([self.committed[:-1]], device=pair.device)
-                pair.target(ids, past_key_values=self.target_cache, use_cache=True)
+            self._prefill_target(self.committed[:-1])
             self.drafter.prefill(self.committed[:-1])
         self.steps: list[StepRecord] = []
         if repeats > 1 and not sampling.greedy:
             raise ValueError("timing repeats need greedy decoding (sampling would differ)")
         self.repeats = repeats
         policy.reset()
+
+    # The target's cache and forwards, the only parts a batched session replaces
+    # (pipeline.decode.batched).
+    def _new_drafter(self) -> Drafter:
+        return Drafter(self.pair, self.sampling, self.rng, self.limits)
+
+    def _prefill_target(self, ids: list[int]) -> None:
+        self.target_cache = DynamicCache(config=self.pair.target.config)
+        if ids:
+            t = torch.tensor([ids], device=self.pair.device)
+            self.pair.target(t, past_key_values=self.target_cache, use_cache=True)
+
+    def _verify_forward(self, ids: list[int], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tensor([ids], device=self.pair.device)
+        return verification_forward(self.pair.target, self.pair.spec, t, self.target_cache,
+                                    **kwargs)  # fmt: skip
+
+    def _keep_target(self, base: int, extra: list[int]) -> None:
+        keep_positions(self.target_cache, base, extra)
+
+    def close(self) -> None:
+        """Give back what the session holds (a batched session's cache slots)."""
 
     def _timed_repeats(self, fn, rollback):
         times = []
@@ -91,8 +110,8 @@ class DecodeSession:
             finally:
                 self.drafter.end()
 
-        draft_len = self.drafter.cache.get_seq_length()
-        return self._timed_repeats(propose, lambda: crop_to(self.drafter.cache, draft_len))
+        draft_len = self.drafter.cached()
+        return self._timed_repeats(propose, lambda: self.drafter._crop(draft_len))
 
     @torch.no_grad()
     def verify(self, cands: Candidates) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -105,7 +124,7 @@ class DecodeSession:
             except StepLimitExceeded as exc:
                 raise StepLimitExceeded(f"{self.policy.name}: {exc}") from None
         base = len(self.committed) - 1
-        ids = torch.tensor([[self.committed[-1], *cands.tokens]], device=pair.device)
+        ids = [self.committed[-1], *cands.tokens]
         kwargs = {}
         if not cands.is_chain:
             parents = [-1] + [p + 1 for p in cands.parents]
@@ -113,7 +132,7 @@ class DecodeSession:
             kwargs = {"attention_mask": mask, "position_ids": positions}
 
         def run():
-            return verification_forward(pair.target, pair.spec, ids, self.target_cache, **kwargs)
+            return self._verify_forward(ids, **kwargs)
 
         (logits, routing), t_verify = self._timed_repeats(
             run, lambda: crop_to(self.target_cache, base)
@@ -128,7 +147,7 @@ class DecodeSession:
         cache, record the step, let the policy adapt; the new tokens."""
         base = len(self.committed) - 1
         new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.rng)
-        keep_positions(self.target_cache, base, [0] + [n + 1 for n in accepted])
+        self._keep_target(base, [0] + [n + 1 for n in accepted])
         self.committed.extend(new)
         routing_np = routing.cpu().numpy()
         unique = [len(np.unique(routing_np[:, layer])) for layer in range(routing_np.shape[1])]

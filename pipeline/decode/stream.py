@@ -60,41 +60,44 @@ class GenerationStream:
         emitted = ""
         with torch.no_grad():
             session = self.engine.start(self.prompt_ids, self.policy, self.sampling, self.seed)
-        yield ""
-        reason = "length"
-        while len(session.generated) < self.max_new_tokens:
-            if cancelled():
-                reason = "cancelled"
-                break
-            if deadline is not None and monotonic() >= deadline:
-                reason = "deadline"
-                break
-            with torch.no_grad():
-                new = session.step()
-            if eos is not None and eos in new:
-                reason = "eos"
-                yield ""  # the final remainder below holds this step's text
-                break
-            delta = ""
-            if tok is not None:
-                text = tok.decode(session.generated[: self.max_new_tokens])
-                if any(s in text for s in self.stop):
-                    reason = "stop"
-                    yield ""
+        try:
+            yield ""
+            reason = "length"
+            while len(session.generated) < self.max_new_tokens:
+                if cancelled():
+                    reason = "cancelled"
                     break
-                safe = text[: len(text) - holdback].rstrip("\ufffd")
-                if len(safe) > len(emitted) and safe.startswith(emitted):
-                    delta, emitted = safe[len(emitted) :], safe
-            yield delta
-        out = session.generated[: self.max_new_tokens]
-        if eos is not None and eos in out:
-            out = out[: out.index(eos) + 1]
-        text = tok.decode(out) if tok is not None else ""
-        cuts = [text.find(s) for s in self.stop if s in text]
-        if cuts:
-            text, reason = text[: min(cuts)], "stop"
-        self.result = Generation(out, text, reason, session.steps)
-        yield text[len(emitted) :] if text.startswith(emitted) else ""
+                if deadline is not None and monotonic() >= deadline:
+                    reason = "deadline"
+                    break
+                with torch.no_grad():
+                    new = session.step()
+                if eos is not None and eos in new:
+                    reason = "eos"
+                    yield ""  # the final remainder below holds this step's text
+                    break
+                delta = ""
+                if tok is not None:
+                    text = tok.decode(session.generated[: self.max_new_tokens])
+                    if any(s in text for s in self.stop):
+                        reason = "stop"
+                        yield ""
+                        break
+                    safe = text[: len(text) - holdback].rstrip("\ufffd")
+                    if len(safe) > len(emitted) and safe.startswith(emitted):
+                        delta, emitted = safe[len(emitted) :], safe
+                yield delta
+            out = session.generated[: self.max_new_tokens]
+            if eos is not None and eos in out:
+                out = out[: out.index(eos) + 1]
+            text = tok.decode(out) if tok is not None else ""
+            cuts = [text.find(s) for s in self.stop if s in text]
+            if cuts:
+                text, reason = text[: min(cuts)], "stop"
+            self.result = Generation(out, text, reason, session.steps)
+            yield text[len(emitted) :] if text.startswith(emitted) else ""
+        finally:
+            session.close()  # a batched session's cache slots go back at once
         # (decode() not prefix-stable would leave the stream unable to take text back; the
         # result still holds the exact final text.)
 

@@ -25,7 +25,7 @@ from ray.data import ActorPoolStrategy
 from pipeline.data.prompts import Prompt
 from pipeline.data.shards import check_manifest, completed_shards, write_shard
 from pipeline.extract.junk_tails import ACCEPTANCES, draws_per_acceptance
-from pipeline.extract.rows import ExtractStats, extract_sequence
+from pipeline.extract.rows import ExtractStats, extract_sequences
 
 TABLES = ("sequences", "tokens", "tails")
 
@@ -48,6 +48,9 @@ class ExtractConfig:
     acceptances: tuple[str, ...] = ACCEPTANCES  # which junk tails (DESIGN section 3)
     draws: int = 2  # independent tail draws per acceptance (greedy: one), for cross-fitting
     temperature: float = 1.0  # of draft_prob, target_prob and the sampled tails
+    # Sequences decoded (greedy references) and teacher-forced together, within a shard; 1: each
+    # alone. Kept in the manifest: float rounding differs with the batch, so may a near-tie.
+    batch_size: int = 16
 
     def manifest(self, source: str, limit: int | None, shard_size: int) -> dict[str, Any]:
         """The parameters that determine the rows (device and threads do not)."""
@@ -83,22 +86,25 @@ class ShardExtractor:
             started = time.perf_counter()
             prompts = [Prompt(**p) for p in json.loads(prompts_json)]
             refs = build_references(
-                prompts, self.pair.target, self.pair.tokenizer, cfg.max_new_tokens, cfg.use_given
+                prompts,
+                self.pair.target,
+                self.pair.tokenizer,
+                cfg.max_new_tokens,
+                cfg.use_given,
+                batch_size=cfg.batch_size,
             )
-            parts = [
-                extract_sequence(
-                    self.pair,
-                    ref,
-                    cfg.lmax,
-                    cfg.mode,
-                    cfg.seed,
-                    cfg.chunk_tokens,
-                    acceptances=cfg.acceptances,
-                    draws=cfg.draws,
-                    temperature=cfg.temperature,
-                )
-                for ref in refs
-            ]
+            parts = extract_sequences(
+                self.pair,
+                refs,
+                cfg.lmax,
+                cfg.mode,
+                cfg.seed,
+                cfg.chunk_tokens,
+                acceptances=cfg.acceptances,
+                draws=cfg.draws,
+                temperature=cfg.temperature,
+                batch_size=cfg.batch_size,
+            )
             stats = ExtractStats()
             for part in parts:
                 stats.add(part.stats)
@@ -162,6 +168,8 @@ def run_extraction(
     draws_per_acceptance(tuple(config.acceptances), config.draws)
     if not (math.isfinite(config.temperature) and config.temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {config.temperature}")
+    if config.batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {config.batch_size}")
     out = Path(config.out)
     check_manifest(out, config.manifest(source, limit, shard_size), overwrite)
     shards = shard_prompts(prompts, shard_size)

@@ -4,7 +4,9 @@ For one reference sequence: one teacher-forced target pass (routing of x_0..x_N,
 probability of each reference token, and the KV cache the tails are verified against), one
 teacher-forced draft pass (the probability of each reference token, the greedy-match flag, and
 the first junk token's distribution at every divergence point), then the junk tails of every
-acceptance rule and draw in packed chunks (pipeline.extract.junk_tails).
+acceptance rule and draw in packed chunks (pipeline.extract.junk_tails). ``extract_sequences``
+runs the teacher-forced passes of several sequences in one batch (pipeline.extract.
+teacher_forced) and each sequence's tails on its own slice of the batch's caches.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import torch
-from transformers import DynamicCache
 
 from pipeline.data.references import ReferenceSequence
 from pipeline.data.schemas import SEQUENCES_SCHEMA, TAILS_SCHEMA, TOKENS_SCHEMA, experts_array
@@ -27,8 +28,8 @@ from pipeline.extract.junk_tails import (
     sample_tails,
     tail_specs,
 )
+from pipeline.extract.teacher_forced import TeacherForced, teacher_forced, teacher_forced_batch
 from pipeline.models.loading import ModelPair
-from pipeline.models.routing import forward_with_routing
 
 
 @dataclass
@@ -102,32 +103,24 @@ def extract_sequence(
     acceptances: tuple[str, ...] = ACCEPTANCES,
     draws: int = 2,
     temperature: float = 1.0,
+    forced: TeacherForced | None = None,
 ) -> SequenceTables:
     """All rows for one reference sequence: tails for every acceptance in ``acceptances`` and
     ``draws`` independent draws of each (greedy: one), probabilities at ``temperature``.
-    Deterministic for a given (seed, seq_id), whatever ``chunk_tokens`` packs together."""
+    Deterministic for a given (seed, seq_id), whatever ``chunk_tokens`` packs together.
+    ``forced``: the sequence's teacher-forced passes, if already run (in a batch)."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature}")
     _check_sliding_window(pair, len(ref.all_ids) + lmax)
     device = pair.device
-    ids = torch.tensor([ref.all_ids], device=device)
-    p0 = ref.prompt_len - 1  # absolute index of x_0
     n = ref.n_tokens
-    ref_tokens = torch.tensor(ref.all_ids[p0:], device=device)  # x_0 .. x_N
-
-    # Logits of x_0 .. x_N only (the prompt's other positions predict nothing we use).
-    keep = {"logits_to_keep": n + 1, "use_cache": True}
-    target_cache = DynamicCache(config=pair.target.config)
-    target_out, routing = forward_with_routing(
-        pair.target, pair.spec, ids, past_key_values=target_cache, **keep
-    )
-    token_routing = routing[0, p0:].to(torch.int16).cpu().numpy()
+    ref_tokens = torch.tensor(ref.all_ids[ref.prompt_len - 1 :], device=device)  # x_0 .. x_N
+    if forced is None:
+        forced = teacher_forced(pair, ref)
+    token_routing = forced.routing
+    target_cache, draft_cache = forced.target_cache, forced.draft_cache
     # Row j of `tat` / `at` is the target's / draft's prediction after x_j, i.e. for x_{j+1}.
-    tat = target_out.logits[0, :n]
-    del target_out
-
-    draft_cache = DynamicCache(config=pair.draft.config)
-    at = pair.draft(ids, past_key_values=draft_cache, **keep).logits[0, :n].float()
+    tat, at = forced.target_logits, forced.draft_logits
     nxt = ref_tokens[1:]
 
     def prob_of_reference(logits: torch.Tensor) -> np.ndarray:
@@ -221,3 +214,36 @@ def extract_sequence(
         draft_token_forwards=len(ref.all_ids) + total_tail - n_tails,
     )
     return SequenceTables(sequences_table, tokens_table, tails_table, stats)
+
+
+def extract_sequences(
+    pair: ModelPair,
+    refs: list[ReferenceSequence],
+    lmax: int,
+    mode: str,
+    seed: int,
+    chunk_tokens: int = 2048,
+    *,
+    acceptances: tuple[str, ...] = ACCEPTANCES,
+    draws: int = 2,
+    temperature: float = 1.0,
+    batch_size: int = 16,
+) -> list[SequenceTables]:
+    """``extract_sequence`` of every reference, in order, the teacher-forced passes
+    ``batch_size`` sequences at a time (1: each alone, the original path)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive number, got {temperature}")
+    for ref in refs:  # refuse before the batch's forwards, as a lone sequence does
+        _check_sliding_window(pair, len(ref.all_ids) + lmax)
+    tails = {"acceptances": acceptances, "draws": draws, "temperature": temperature}
+    out: list[SequenceTables] = []
+    for start in range(0, len(refs), batch_size):
+        group = refs[start : start + batch_size]
+        forced = teacher_forced_batch(pair, group) if batch_size > 1 else [None] * len(group)
+        for ref, one in zip(group, forced, strict=True):
+            out.append(
+                extract_sequence(pair, ref, lmax, mode, seed, chunk_tokens, forced=one, **tails)
+            )
+    return out

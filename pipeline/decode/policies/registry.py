@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.decode.policies.adaedl import AdaEDLPolicy
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.batch import BatchPolicy
 from pipeline.decode.policies.cascade import CascadePolicy
 from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy
 from pipeline.decode.policies.knobs import KnobError
@@ -43,6 +44,7 @@ POLICIES: dict[str, type[Policy]] = {
         AdaEDLPolicy,
         SpecDecPolicy,
         ThroughputPolicy,
+        BatchPolicy,
     )
 }
 POLICY_NAMES = tuple(POLICIES)  # the built-in ones; register_policy adds to POLICIES

@@ -215,7 +215,7 @@ class ThroughputPolicy(Policy):
         probe = self._plain_run >= self.probe_every
         if not probe and not self._look_pays(rho, mode, recent):
             return cands  # speculation off for this step: no draft forward at all
-        cached = drafter.cache.get_seq_length()
+        cached = drafter.cached()
         probs = drafter.begin(committed)
         if drafter.sampling.greedy:
             recent = self._observe_catchup(drafter, committed, cached, recent)

@@ -1,0 +1,98 @@
+"""Continuous batching in-process: output tokens/s of policies decoding the same prompts
+continuously batched, at each batch size, interleaved over repeats (the machine's drift slows
+every cell alike), with each policy's ratio to the best fixed K at that batch size.
+
+The issue-17 comparison: `batch` (the plan over the whole batch, pricing shared draft rounds
+and the shared expert union) against every fixed K and `throughput` (each request's own
+cost-aware choice) at 8 generations at once, T = 0:
+
+    python -m jobs.bench_batch                                   # 16 HumanEval prompts, batch 8
+    python -m jobs.bench_batch --batch-sizes 1,8,16 --repeats 3 --source sharegpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from jobs.cli import (
+    SOURCE_HELP,
+    add_model_args,
+    parse_ks,
+    parse_policy_specs,
+    parser,
+    run,
+    torch_threads,
+)
+from pipeline.bench.batch import bench_batch, format_batch_bench
+from pipeline.data.domains import load_prompts
+from pipeline.data.prompts import encode
+from pipeline.decode.policies.artifacts import load_artifacts
+from pipeline.models.loading import load_pair
+from pipeline.tracking import tracked_run, tracking_uri
+
+DEFAULT_SPECS = "ar,fixed:k=2,fixed:k=3,fixed:k=4,fixed:k=5,throughput,batch"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("jobs.bench_batch", __doc__)
+    add_model_args(p)
+    p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
+    p.add_argument("--limit", type=int, default=16, help="prompts (16)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
+    p.add_argument("--prompt-tokens", type=int, default=256,
+                   help="keep the last this many tokens of each prompt (256)")  # fmt: skip
+    p.add_argument("--batch-sizes", type=parse_ks, default=parse_ks("8"),
+                   help="generations decoded at once (8)")  # fmt: skip
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_SPECS,
+        help=f"policies and knobs, name:knob=value,... (default: {DEFAULT_SPECS})",
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1, as a replica)")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        p.error("--repeats, --limit, --max-new-tokens and --threads must be >= 1")
+    if min(args.batch_sizes) < 1:
+        p.error("--batch-sizes must be >= 1")
+    try:
+        args.specs = parse_policy_specs(args.policies)
+    except ValueError as exc:
+        p.error(f"--policies: {exc}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with torch_threads(args.threads):
+        pair = load_pair(args.target, args.draft, args.device, args.dtype,
+                         args.experts_implementation)  # fmt: skip
+        artifacts = load_artifacts(device=str(pair.device))
+        prompts = [encode(pair.tokenizer, p.text, keep_last=args.prompt_tokens)
+                   for p in load_prompts(args.source, args.limit)]  # fmt: skip
+        print(f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, "
+              f"T={args.temperature:g}, batch sizes {args.batch_sizes}, {args.repeats} "
+              f"interleaved repeats", flush=True)  # fmt: skip
+        cells = bench_batch(pair, prompts, args.specs, args.batch_sizes, args.max_new_tokens,
+                            args.temperature, args.repeats, artifacts)  # fmt: skip
+    header = (
+        f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, "
+        f"T={args.temperature:g}, {pair.device}, continuous batching in-process"
+    )
+    table = format_batch_bench(cells, header)
+    params = {k: str(v) for k, v in vars(args).items() if k != "specs"}
+    with tracked_run("bench_batch", params=params) as tracked:
+        tracked.log_metrics({f"b{c.batch}.{c.label.replace(' ', '_').replace('=', '')}": c.mean
+                             for c in cells})  # fmt: skip
+        tracked.log_text(table, "bench_batch.txt")
+        tracked.log_text(json.dumps([c.__dict__ for c in cells], indent=1), "cells.json")
+        run_id = tracked.run_id
+    print(table)
+    print(f"\nMLflow run {run_id} at {tracking_uri()}")
+    return {"cells": cells}
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,87 @@
+"""The continuous-batching benchmark (jobs.bench_batch): policies decoding the same prompts
+continuously batched in this process, at each batch size, in one run.
+
+Each repeat runs every (batch size, policy) cell once, in an order that alternates between
+repeats, so the machine's drift slows every cell alike; each cell reports output tokens/s per
+repeat, their mean and spread, and its ratio to the best fixed K at the same batch size (the
+best one in that run). Batch size 1 runs the same batched code with one generation at a time:
+what a replica without batching decodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.decode.batched import BatchedEngine
+from pipeline.decode.policies.artifacts import PolicyArtifacts
+from pipeline.decode.policies.registry import make_policy
+from pipeline.decode.types import SamplingConfig
+from pipeline.models.loading import ModelPair
+
+
+@dataclass
+class BatchCell:
+    batch: int
+    label: str
+    name: str
+    knobs: dict
+    tok_s: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.tok_s))
+
+
+def label(name: str, knobs: dict) -> str:
+    return name + "".join(f" {k}={v}" for k, v in knobs.items())
+
+
+def bench_batch(
+    pair: ModelPair, prompts: list[list[int]], specs: list[tuple[str, dict]],
+    batch_sizes: list[int], max_new_tokens: int, temperature: float, repeats: int,
+    artifacts: PolicyArtifacts | None, progress=print,
+) -> list[BatchCell]:  # fmt: skip
+    engine = BatchedEngine(pair)
+    sampling = SamplingConfig(temperature)
+    engine.generate_many(prompts[:2], lambda: make_policy("fixed", k=2), 8, sampling,
+                         max_batch=2)  # warm-up  # fmt: skip
+    cells = [BatchCell(b, label(n, k), n, k) for b in batch_sizes for n, k in specs]
+    for rep in range(repeats):
+        for cell in cells if rep % 2 == 0 else cells[::-1]:
+            engine.batcher.economy = None  # a batch's plan starts afresh
+            t0 = time.perf_counter()
+            out = engine.generate_many(
+                prompts, lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
+                max_new_tokens, sampling, max_batch=cell.batch, stop_at_eos=False,
+            )  # fmt: skip
+            cell.tok_s.append(sum(len(g.tokens) for g in out) / (time.perf_counter() - t0))
+            cell.steps.append(sum(len(g.steps) for g in out))
+            progress(f"  repeat {rep + 1}/{repeats}  batch {cell.batch:>2}  {cell.label:<24} "
+                     f"{cell.tok_s[-1]:7.1f} tok/s")  # fmt: skip
+    return cells
+
+
+def format_batch_bench(cells: list[BatchCell], header: str) -> str:
+    lines = ["", header, "",
+             f"{'batch':>5}  {'policy':<24}{'tok/s (mean)':>13}{'spread':>9}  per repeat"
+             f"{'':>14}{'vs best fixed K':>16}"]  # fmt: skip
+    for b in sorted({c.batch for c in cells}):
+        row = [c for c in cells if c.batch == b]
+        fixed = [c for c in row if c.name == "fixed"]
+        best = max(fixed, key=lambda c: c.mean) if fixed else None
+        for c in row:
+            spread = (max(c.tok_s) - min(c.tok_s)) / c.mean
+            ratio = ""
+            if best is not None:
+                per = [x / y for x, y in zip(c.tok_s, best.tok_s, strict=True)]
+                ratio = f"{c.mean / best.mean:.3f}x ({min(per):.2f}-{max(per):.2f})"
+            reps = " ".join(f"{x:6.1f}" for x in c.tok_s)
+            lines.append(f"{b:>5}  {c.label:<24}{c.mean:>13.1f}{spread:>8.1%}  {reps:<24}"
+                         f"{ratio:>16}")  # fmt: skip
+        if best is not None:
+            lines.append(f"{'':>7}best fixed K at batch {b}: {best.label}")
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Continuous batching (pipeline.decode.batched, serving.batched_worker) decodes every
+generation as it would alone: the slot cache keeps sequences apart, greedy output of every
+policy in a batch equals plain greedy decoding, sampling in a batch keeps the target's
+distribution per row (chi-square), and generations join, leave, fail and cancel one by one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import DynamicCache
+
+from pipeline.decode.batched import BatchedEngine
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.policies.artifacts import load_artifacts
+from pipeline.decode.policies.registry import POLICIES, make_policy
+from pipeline.decode.types import Generation, SamplingConfig
+from pipeline.models.kvcache import keep_positions
+from pipeline.models.loading import load_pair
+from pipeline.models.slots import SlotCache
+from serving.batched_worker import BatchedDecodeWorker
+from serving.worker import DecodeTask
+from tests.exact_enumeration import target_joint
+from tests.test_engine import perturbed_pair
+from tests.tinymodels import FAMILIES
+
+GREEDY_TOKENS = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The committed pair and its artifacts: every policy, the cost-aware ones included."""
+    return load_pair("models/target", "models/draft", "cpu", "float32", "eager"), load_artifacts()
+
+
+PROMPTS = [
+    "def add(a, b):\n",
+    "import numpy as np\n\n\ndef mean(xs):\n    ",
+    "The cat",
+    "for i in range(10):\n    print(",
+    "x",
+    "class Stack:\n    def __init__(self):\n",
+]
+
+
+def _plain_greedy(pair, ids: list[list[int]], n: int) -> list[list[int]]:
+    engine = SpeculativeEngine(pair)
+    return [engine.generate(p, make_policy("ar"), n).tokens for p in ids]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt_oss"])
+def test_the_slot_cache_keeps_sequences_apart(family):
+    """Packed forwards over a slot cache (rows growing, rolled back, a tree path kept) give
+    each sequence the logits of its own DynamicCache, for every MoE family's attention."""
+    pair = perturbed_pair(family, noise=0.3, seed=2)
+    model = pair.target
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in (7, 3, 12)]
+    cache = SlotCache(model.config.num_hidden_layers, rows=2, capacity=4)  # both must grow
+    rows = [cache.acquire() for _ in seqs]
+
+    def packed(parts):
+        positions = [p for r, ids in parts for p in range(cache.length[r], cache.length[r] +
+                                                           len(ids))]  # fmt: skip
+        mask = cache.plan([(r, len(ids), None) for r, ids in parts], model.dtype, pair.device)
+        ids = torch.tensor([[t for _, ids in parts for t in ids]])
+        out = model(ids, past_key_values=cache, use_cache=True, attention_mask=mask,
+                    position_ids=torch.tensor([positions]))  # fmt: skip
+        return out.logits[0]
+
+    def solo(ids):
+        c = DynamicCache(config=model.config)
+        return model(torch.tensor([ids]), past_key_values=c, use_cache=True).logits[0, -1], c
+
+    with torch.no_grad():
+        packed([(r, s[:-1]) for r, s in zip(rows, seqs, strict=True)])
+        got = packed([(r, s[-1:]) for r, s in zip(rows, seqs, strict=True)])
+        for j, s in enumerate(seqs):
+            torch.testing.assert_close(got[j], solo(s)[0], atol=1e-4, rtol=1e-4)
+        assert cache.rows >= 3 and cache.capacity >= 12
+        # Row 1 rolls back two positions and takes other tokens; rows 0 and 2 are untouched.
+        cache.length[rows[1]] -= 2
+        alt = seqs[1][:1] + [6]
+        got = packed([(rows[1], [6]), (rows[0], [9])])
+        torch.testing.assert_close(got[0], solo(alt)[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[1], solo(seqs[0] + [9])[0], atol=1e-4, rtol=1e-4)
+        # Keep a non-contiguous path (a tree's accepted branch): cache positions 0, 2.
+        base = cache.length[rows[2]] - 3
+        cache.keep(rows[2], base, [0, 2])
+        _, ref = solo(seqs[2])
+        keep_positions(ref, base, [0, 2])
+        want = model(torch.tensor([[4]]), past_key_values=ref, use_cache=True).logits[0, -1]
+        torch.testing.assert_close(packed([(rows[2], [4])])[0], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_in_a_batch_decodes_plain_greedy(name, embedded):
+    """Six prompts, four at a time (generations join as others end): every generation's
+    greedy tokens equal plain greedy decoding's, and the batch really packed them."""
+    pair, artifacts = embedded
+    ids = [pair.tokenizer.encode(p) for p in PROMPTS]
+    want = _plain_greedy(pair, ids, GREEDY_TOKENS)
+    engine = BatchedEngine(pair)
+    got = engine.generate_many(ids, lambda: make_policy(name, artifacts), GREEDY_TOKENS,
+                               max_batch=4, stop_at_eos=False)  # fmt: skip
+    assert [g.tokens for g in got] == want
+    records = engine.batcher.records
+    assert max(r.rows for r in records) == 4
+    for r in records:  # the union over the batch: at least one token's experts, at most all
+        assert all(pair.spec.top_k <= u <= pair.spec.num_experts for u in r.union)
+    assert engine.batcher.caches["target"].free == sorted(engine.batcher.caches["target"].free)
+    assert len(engine.batcher.caches["target"].free) == engine.batcher.caches["target"].rows
+
+
+@pytest.mark.parametrize(("name", "knobs"), [("fixed", {"k": 2}), ("tree", {"depth": 2,
+                                             "branch": 2, "gamma": 3})])  # fmt: skip
+def test_sampling_in_a_batch_keeps_the_target_distribution(name, knobs):
+    """T = 1: 1,200 generations of the first two tokens after one prompt, decoded 16 at a time
+    beside generations of another prompt, match the target's exact joint distribution
+    (chi-square, 16 categories)."""
+    pair = perturbed_pair("qwen3_moe", noise=0.8, vocab=4, seed=4, sharpen=4.0)
+    prompt, other = [3, 1, 2], [2, 2, 0, 1]
+    sampling = SamplingConfig(temperature=1.0)
+    want = target_joint(pair, prompt, sampling, 2)
+    n = 1200
+    prompts = [prompt if i % 3 else other for i in range(n * 3 // 2)]
+    got = BatchedEngine(pair).generate_many(prompts, lambda: make_policy(name, **knobs), 2,
+                                            sampling, max_batch=16, stop_at_eos=False)  # fmt: skip
+    counts = Counter(tuple(g.tokens[:2]) for g, p in zip(got, prompts, strict=True)
+                     if p is prompt)  # fmt: skip
+    keys = sorted(want)
+    total = sum(counts.values())
+    assert set(counts) <= set(keys)
+    mass = sum(want.values())  # 1 up to float32 rounding, which chisquare would refuse
+    expected = [want[k] / mass * total for k in keys]
+    stat, p_value = chisquare([counts.get(k, 0) for k in keys], expected)
+    assert p_value > 1e-3, (name, stat, p_value, counts)
+
+
+def _task(pair, text: str, policy, max_tokens: int, out: dict, key: str, **kw) -> DecodeTask:
+    def deliver(item) -> None:
+        if isinstance(item, (Generation, BaseException)):
+            out[key] = item
+
+    return DecodeTask(pair.tokenizer.encode(text), policy, max_tokens, SamplingConfig(), 0,
+                      kw.get("stops", []), time.monotonic() + 60, deliver, key)  # fmt: skip
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_the_replica_worker_fails_cancels_and_stops_generations_one_by_one(embedded):
+    """In one batch: a generation whose policy raises fails alone; a cancelled one ends
+    "cancelled"; one ends at its stop string; the others decode plain greedy; more
+    generations than seats take turns; every cache slot is given back."""
+    pair, _ = embedded
+
+    class Failing:
+        name = "boom"
+
+        def reset(self):
+            pass
+
+        def propose(self, drafter, committed):
+            raise _Boom("proposal failed")
+
+    engine = BatchedEngine(pair)
+    worker = BatchedDecodeWorker(engine, stall_limit_s=30, max_batch=3)
+    out: dict = {}
+    texts = PROMPTS[:5]
+    tasks = [_task(pair, t, make_policy("fixed", k=3), 16, out, f"ok{i}")
+             for i, t in enumerate(texts)]  # fmt: skip
+    tasks.append(_task(pair, PROMPTS[0], Failing(), 16, out, "boom"))
+    cancelled = _task(pair, PROMPTS[1], make_policy("fixed", k=3), 400, out, "cancel")
+    tasks.append(cancelled)
+    want = _plain_greedy(pair, [pair.tokenizer.encode(t) for t in texts], 16)
+    stop_text = pair.tokenizer.decode(want[2][4:7])
+    tasks.append(_task(pair, texts[2], make_policy("fixed", k=3), 16, out, "stop",
+                       stops=[stop_text]))  # fmt: skip
+    for task in tasks:
+        worker.submit(task)
+    threading.Timer(0.5, cancelled.cancel.set).start()
+    deadline = time.monotonic() + 120
+    while len(out) < len(tasks):
+        assert time.monotonic() < deadline, sorted(out)
+        assert worker.stalled() is None
+        time.sleep(0.05)
+    assert isinstance(out["boom"], _Boom)
+    assert out["cancel"].finish_reason == "cancelled" and len(out["cancel"].tokens) < 400
+    assert out["stop"].finish_reason == "stop" and stop_text not in out["stop"].text
+    for i in range(len(texts)):
+        assert out[f"ok{i}"].tokens == want[i][: len(out[f"ok{i}"].tokens)]
+        assert out[f"ok{i}"].finish_reason in ("length", "eos")
+    assert worker.counts == {"completed": 6, "cancelled": 1, "deadline": 0, "failed": 1}
+    assert worker.shutdown(10)
+    for cache in engine.batcher.caches.values():
+        assert len(cache.free) == cache.rows
+    assert max(r.rows for r in engine.batcher.records) <= 3
+
+
+def test_sliding_window_models_are_refused_with_a_way_out():
+    pair = perturbed_pair("gpt_oss", noise=0.3)
+    with pytest.raises(ValueError, match="max_batch=1"):
+        BatchedEngine(pair)
