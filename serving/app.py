@@ -113,10 +113,9 @@ class SpecboundServer:
             for m in (self.pair.target, self.pair.draft)
         )
         self.created = now()
-        self.worker = (
-            BatchedDecodeWorker(self.engine, args.stall_timeout_s, args.max_batch)
-            if args.max_batch > 1 else DecodeWorker(self.engine, args.stall_timeout_s)
-        )  # fmt: skip
+        self.worker = (BatchedDecodeWorker(self.engine, args.stall_timeout_s, args.max_batch,
+                                           args.max_batch_positions) if args.max_batch > 1
+                       else DecodeWorker(self.engine, args.stall_timeout_s))  # fmt: skip
         self.metrics = ServingMetrics()
         log.info("specbound replica ready on %s (context %d)", self.pair.device, self.context)
 

@@ -1,9 +1,13 @@
 """The replica's continuous batching: up to ``max_batch`` generations decode together, each
 step of each one a part of ONE packed draft or target forward (pipeline.decode.batching).
-Generations join at the next forward after they arrive and leave the moment they end. Beyond
-``max_batch`` they take turns: at each step boundary a seated generation gives its seat to a
-waiting one, the one whose request holds the fewest seats first, so a request with many
-choices cannot starve another (as the round robin of serving.worker guarantees). Each
+Generations join at the next forward after they arrive and leave the moment they end. A
+generation decodes while it holds a seat: at most ``max_batch`` seats, and the positions the
+seated generations may verify per step (their policies' declared step work) stay within
+``max_positions`` (one alone always fits), so one step of the batch costs about what the
+heaviest request alone would, not that many times over. Beyond that they take turns: at each
+step boundary a seated generation gives its seat to a waiting one, the one whose request
+holds the fewest seats first, so a request with many choices or huge trees cannot starve
+another (as the round robin of serving.worker guarantees). Each
 keeps its own policy, draft length, acceptance, cache length, stop strings, token budget,
 deadline and cancellation (the batch-1 decode loop, serving.worker.advance, on a thread of
 its own).
@@ -18,6 +22,7 @@ replica.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,7 +38,8 @@ class BatchedDecodeWorker:
     """The same interface as serving.worker.DecodeWorker (submit, in_flight, stalled,
     shutdown, closing, counts), batching across generations."""
 
-    def __init__(self, engine: BatchedEngine, stall_limit_s: float, max_batch: int) -> None:
+    def __init__(self, engine: BatchedEngine, stall_limit_s: float, max_batch: int,
+                 max_positions: int = 256) -> None:  # fmt: skip
         self.engine = engine
         self.batcher = engine.batcher
         self.stall_limit_s = stall_limit_s
@@ -44,6 +50,8 @@ class BatchedDecodeWorker:
         self._closing = False
         self._seats = threading.Condition()
         self._free = max_batch
+        self.max_positions = max_positions
+        self._positions = 0  # what the seated generations may verify per step
         self._seated: dict[str, int] = {}  # seats held per request
         self._waiters: list[DecodeTask] = []  # in arrival order
         self.counts = {"completed": 0, "cancelled": 0, "deadline": 0, "failed": 0}
@@ -123,6 +131,11 @@ class BatchedDecodeWorker:
                                 break
                 finally:
                     self._leave_seat(task)
+        except Exception as exc:  # a fault of this worker's own: the request still gets an answer
+            log.exception("generation thread failed")
+            self.counts["failed"] += 1
+            with contextlib.suppress(Exception):
+                task.deliver(exc)
         finally:
             with self._lock:
                 self._running.discard(task)
@@ -143,12 +156,19 @@ class BatchedDecodeWorker:
         """The waiting generation whose request holds the fewest seats (first come first)."""
         return min(self._waiters, key=lambda t: self._seated.get(t.group, 0))
 
+    def _fits(self, task: DecodeTask) -> bool:
+        if self._free <= 0:
+            return False
+        alone = self._free == self.max_batch
+        return alone or self._positions + _positions(task) <= self.max_positions
+
     def _take_seat(self, task: DecodeTask) -> None:
         with self._seats:
             self._waiters.append(task)
-            self._seats.wait_for(lambda: self._free > 0 and self._next_waiter() is task)
+            self._seats.wait_for(lambda: self._next_waiter() is task and self._fits(task))
             self._waiters.remove(task)
             self._free -= 1
+            self._positions += _positions(task)
             self._seated[task.group] = self._seated.get(task.group, 0) + 1
             self._seats.notify_all()
 
@@ -158,7 +178,16 @@ class BatchedDecodeWorker:
     def _leave_seat(self, task: DecodeTask) -> None:
         with self._seats:
             self._free += 1
+            self._positions -= _positions(task)
             self._seated[task.group] -= 1
             if not self._seated[task.group]:
                 del self._seated[task.group]
             self._seats.notify_all()
+
+
+def _positions(task: DecodeTask) -> int:
+    """The positions one step of the task's policy may verify (its declared step work)."""
+    try:
+        return max(1, int(task.policy.step_work().verified))
+    except Exception:  # no declared work (the registry requires it; a test double may not)
+        return 1

@@ -74,10 +74,13 @@ def start_ray_with_metrics(num_cpus: int | None = None, report_interval_ms: int 
     return prometheus_url()
 
 
-def scrape_metrics(names: Iterable[str], timeout_s: float = 60, url: str | None = None) -> str:
+def scrape_metrics(names: Iterable[str], timeout_s: float = 60, url: str | None = None,
+                   contains: Iterable[str] = ()) -> str:  # fmt: skip
     """The Prometheus text of ``url`` (default: this cluster's first node) once every one of
-    ``names`` has a sample (a histogram's base name matches its _bucket/_count/_sum series);
-    TimeoutError naming the missing ones after ``timeout_s``."""
+    ``names`` has a sample (a histogram's base name matches its _bucket/_count/_sum series)
+    and the text holds every string of ``contains`` (labels: a replica exports its samples
+    every few seconds, so the newest may lag); TimeoutError naming the missing ones after
+    ``timeout_s``."""
     url = url or prometheus_url()
     wanted = set(names)
     deadline = time.monotonic() + timeout_s
@@ -86,6 +89,7 @@ def scrape_metrics(names: Iterable[str], timeout_s: float = 60, url: str | None 
         found = {line.split("{", 1)[0].split(" ", 1)[0]
                  for line in text.splitlines() if line and not line.startswith("#")}  # fmt: skip
         missing = {n for n in wanted if not found & {n, n + "_bucket", n + "_total"}}
+        missing |= {s for s in contains if s not in text}
         if not missing:
             return text
         if time.monotonic() > deadline:

@@ -28,6 +28,10 @@ class AppArgs(BaseModel):
     # Generations the replica advances together in one batched engine step (continuous
     # batching); 1 decodes them one at a time, round robin.
     max_batch: int = Field(16, ge=1)
+    # ... and at most this many positions verified per step over the seated generations (their
+    # policies' declared step work; one generation alone always runs), so one step of the
+    # batch costs about what the heaviest request alone would.
+    max_batch_positions: int = Field(256, ge=1)
     # Work of one engine step, jointly over a policy's knobs (pipeline.decode.policies.limits).
     max_draft_forwards_per_step: int = Field(StepLimits.max_draft_forwards, ge=1)
     max_draft_tokens_per_step: int = Field(StepLimits.max_draft_tokens, ge=1)

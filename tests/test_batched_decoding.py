@@ -165,7 +165,8 @@ class _Boom(Exception):
 def test_the_replica_worker_fails_cancels_and_stops_generations_one_by_one(embedded):
     """In one batch: a generation whose policy raises fails alone; a cancelled one ends
     "cancelled"; one ends at its stop string; the others decode plain greedy; more
-    generations than seats take turns; every cache slot is given back."""
+    generations than seats (or than the positions a step may verify) take turns; every cache
+    slot is given back."""
     pair, _ = embedded
 
     class Failing:
@@ -178,7 +179,8 @@ def test_the_replica_worker_fails_cancels_and_stops_generations_one_by_one(embed
             raise _Boom("proposal failed")
 
     engine = BatchedEngine(pair)
-    worker = BatchedDecodeWorker(engine, stall_limit_s=30, max_batch=3)
+    # Seats: 3, and 8 positions verified per step: two chains of k = 3 (4 positions each).
+    worker = BatchedDecodeWorker(engine, stall_limit_s=30, max_batch=3, max_positions=8)
     out: dict = {}
     texts = PROMPTS[:5]
     tasks = [_task(pair, t, make_policy("fixed", k=3), 16, out, f"ok{i}")
@@ -208,7 +210,8 @@ def test_the_replica_worker_fails_cancels_and_stops_generations_one_by_one(embed
     assert worker.shutdown(10)
     for cache in engine.batcher.caches.values():
         assert len(cache.free) == cache.rows
-    assert max(r.rows for r in engine.batcher.records) <= 3
+    steps = [r for r in engine.batcher.records if r.side == "target" and not r.prefills]
+    assert max(r.rows for r in steps) == 2
 
 
 def test_sliding_window_models_are_refused_with_a_way_out():

@@ -255,9 +255,9 @@ def test_metrics_reach_prometheus(server):
     names = ("ray_specbound_requests_total", "ray_specbound_drafted_tokens_total",
              "ray_specbound_accepted_tokens_total",
              "ray_specbound_unique_experts_per_verification")  # fmt: skip
-    text = scrape_metrics(names, timeout_s=90)
-    assert 'policy="tree"' in text and 'route="completions"' in text
-    assert 'route="chat"' in text
+    labels = ('policy="tree"', 'route="completions"', 'route="chat"')
+    text = scrape_metrics(names, timeout_s=90, contains=labels)
+    assert all(label in text for label in labels)
 
 
 def test_a_stalled_decode_loop_gets_the_replica_replaced(server):

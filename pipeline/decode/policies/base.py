@@ -58,6 +58,27 @@ class Policy:
         """Adapt from the last step (most policies do not)."""
 
 
+class AcceptanceChainPolicy(Policy):
+    """A chain policy priced by the cost model with the acceptance model learned offline
+    (`throughput`, `batch`): built from the artifacts' cost and acceptance models, its max_k
+    resolved against what the cost model prices. Subclasses are dataclasses whose first fields
+    are ``cost``, ``acceptance`` and ``max_k``."""
+
+    DEFAULT_MAX_K: ClassVar[int] = 12
+    needs_artifacts: ClassVar[bool] = True
+
+    @classmethod
+    def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
+        acceptance = require_acceptance(cls.name, artifacts)
+        assert artifacts is not None
+        return cls(artifacts.cost, acceptance, **knobs)  # type: ignore[call-arg]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.max_k = resolve_max_k(self.name, self.cost, self.max_k, self.DEFAULT_MAX_K)
+        self.reset()
+
+
 def require_acceptance(name: str, artifacts: PolicyArtifacts | None) -> AcceptanceModel:
     """The acceptance model a policy reads, or an error that says how to train one."""
     if artifacts is None or artifacts.acceptance is None:

@@ -20,28 +20,24 @@ bounded). Lengths are decided from past outcomes only: lossless at any temperatu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from pipeline.acceptance.model import AcceptanceModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.batch_economy import BatchEconomy, expected
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.base import Policy, draft_chain, require_acceptance, resolve_max_k
+from pipeline.decode.policies.base import AcceptanceChainPolicy, draft_chain
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
-if TYPE_CHECKING:
-    from pipeline.decode.policies.artifacts import PolicyArtifacts
-
-DEFAULT_MAX_K = 12
+DEFAULT_MAX_K = AcceptanceChainPolicy.DEFAULT_MAX_K
 DECAY = 0.9  # per judged token at a depth
 DEEP_PRIOR = 0.9
 PRIOR_WEIGHT = 2.0  # judged tokens' worth of the acceptance model's training mean
 
 
 @dataclass
-class BatchPolicy(Policy):
+class BatchPolicy(AcceptanceChainPolicy):
     cost: CostModel
     acceptance: AcceptanceModel
     max_k: int | None = None
@@ -49,24 +45,12 @@ class BatchPolicy(Policy):
     name = "batch"
     summary = ("ours at batch > 1: every generation's chain length planned for the batch's "
                "tokens per ms (shared draft rounds, the shared expert union)")  # fmt: skip
-    needs_artifacts = True
     knobs = (
         step_knob("max_k", None, "longest chain (default: the cost model's largest m - 1, at "
                   f"most {DEFAULT_MAX_K})"),
         Knob("probe_every", int, 8, 1, 64,
              help="plain steps in a row before one that drafts a token anyway"),
     )  # fmt: skip
-
-    @classmethod
-    def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
-        acceptance = require_acceptance(cls.name, artifacts)
-        assert artifacts is not None
-        return cls(artifacts.cost, acceptance, **knobs)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.max_k = resolve_max_k(self.name, self.cost, self.max_k, DEFAULT_MAX_K)
-        self.reset()
 
     def reset(self) -> None:
         # Decayed counts of drafted tokens judged and accepted at each chain depth: at T = 0

@@ -35,22 +35,18 @@ itself, which keeps sampling lossless.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from pipeline.acceptance.features import MAX_MATCH, NgramIndex, position_stats
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.base import Policy, require_acceptance, resolve_max_k
+from pipeline.decode.policies.base import AcceptanceChainPolicy
 from pipeline.decode.policies.knobs import Knob, step_knob
 from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.policies.prices import PriceTables
 from pipeline.decode.types import Candidates, StepOutcome
 
-if TYPE_CHECKING:
-    from pipeline.decode.policies.artifacts import PolicyArtifacts
-
-DEFAULT_MAX_K = 12
+DEFAULT_MAX_K = AcceptanceChainPolicy.DEFAULT_MAX_K
 # The rate is a slow average: a few lucky or unlucky steps must not swing it (the realized
 # cost per token over 3-4 steps is far noisier than the optimum it estimates). It starts from
 # the optimum of a chain whose every token is accepted at the model's training mean, worth
@@ -61,7 +57,7 @@ MAX_OFFSET = 3.0  # the online logit correction stays within this
 
 
 @dataclass
-class ThroughputPolicy(Policy):
+class ThroughputPolicy(AcceptanceChainPolicy):
     cost: CostModel
     acceptance: AcceptanceModel
     max_k: int | None = None  # None: the cost model's largest m - 1, at most DEFAULT_MAX_K
@@ -73,7 +69,6 @@ class ThroughputPolicy(Policy):
     name = "throughput"
     summary = ("ours: draft while a token's expected value at the generation's own cost per "
                "token exceeds its modelled cost (acceptance learned offline)")  # fmt: skip
-    needs_artifacts = True
     knobs = (
         step_knob("max_k", None, "longest chain (default: the cost model's largest m - 1, at "
                   f"most {DEFAULT_MAX_K})"),
@@ -94,17 +89,6 @@ class ThroughputPolicy(Policy):
     )  # fmt: skip
     # (step kind, drafted, rate) of the generation's steps, for inspection.
     decisions: list[tuple[str, int, float]] = field(default_factory=list, init=False)
-
-    @classmethod
-    def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
-        acceptance = require_acceptance(cls.name, artifacts)
-        assert artifacts is not None
-        return cls(artifacts.cost, acceptance, **knobs)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.max_k = resolve_max_k(self.name, self.cost, self.max_k, DEFAULT_MAX_K)
-        self.reset()
 
     def reset(self) -> None:
         self._recent: float | None = None  # moving average of acceptance outcomes
