@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -89,7 +89,6 @@ class ForwardBatcher:
         self._last_end = self.last_progress
         self.records: list[BatchRecord] = []
         self.max_records = max_records
-        self.on_record: Callable[[BatchRecord], None] | None = None
         self.economy = None  # a BatchEconomy, set by the first policy that prices the batch
         self.economy_lock = threading.Lock()
 
@@ -224,8 +223,6 @@ class ForwardBatcher:
                              sum(req.prefill for req in batch), t_ms, gap_ms,
                              sum(req.begin for req in batch), attended)  # fmt: skip
         self.records.append(record)
-        if self.on_record is not None:
-            self.on_record(record)
         if self.economy is not None:
             self.economy.observe(record)
         if len(self.records) > self.max_records:
