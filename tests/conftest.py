@@ -18,6 +18,18 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module of many tiny forwards: more intra-op threads only contend on a busy 2-core
+    machine (10-20x slower). Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_draft(vocab_size: int, seed: int = 1):
     import torch
 

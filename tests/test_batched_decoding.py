@@ -31,12 +31,7 @@ from tests.tinymodels import FAMILIES
 GREEDY_TOKENS = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many tiny forwards
 
 
 @pytest.fixture(scope="module")

@@ -63,14 +63,7 @@ MUST_PROPOSE = {"heuristic": {1, 2}, "confidence": {1, 2}, "marginal": {0, 1, 2}
                 "throughput": {0, 1, 2}}  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of tiny forwards: more intra-op threads only contend (10-20x slower on a busy
-    2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many tiny forwards
 
 
 @pytest.fixture(scope="module")

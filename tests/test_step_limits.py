@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline.decode import stream as stream_module
 from pipeline.decode.drafter import Drafter
@@ -53,13 +52,7 @@ DRAWS = 2  # random knob settings per policy, integer knobs capped for speed
 INT_CAP = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Many tiny forwards: more intra-op threads only contend on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many tiny forwards
 
 
 @pytest.fixture(scope="module")

@@ -70,9 +70,9 @@ class BatchRecord:
 class ForwardBatcher:
     """Packed forwards for the generations of a batch (see the module docstring).
 
-    Generation threads call ``participant()`` around their whole decode and ``forward()``
-    for each model call; one thread (the replica's decoding thread) calls ``run_once()`` in
-    a loop."""
+    Generation threads call ``participant()`` around the part of their decode that is in the
+    batch and ``forward()`` for each model call; one thread (the replica's decoding thread)
+    calls ``run_once()`` in a loop."""
 
     def __init__(self, pair: ModelPair, max_records: int = 4096) -> None:
         self.pair = pair
