@@ -17,6 +17,16 @@ Cost: every (acceptance, draw) set holds about N * Lmax tail tokens per sequence
 shared mode (N * Lmax^3 / 6 in paper mode), each routed by the target and drafted by the draft;
 the default (3 acceptances, 2 draws: 5 sets) costs 5x the tails of a single set.
 
+--trees adds the trees/ table for the tree bound (python -m jobs.oracle prints it): at every
+state, the nodes each selection rule verifies up to --tree-budget draft nodes, in selection
+order, with the target's routing of each (off-path nodes in packed tree-masked forwards):
+  eagle2     EAGLE-2 / the `tree` policy: the top path probabilities of the draft's tree
+  ecospec    EcoSpec / the `ecospec` policy: path probability over new predicted experts
+             (reads the expert predictor, --predictor)
+each with the tree's branch and depth cap, e.g. eagle2:b=2,d=4 (default b=2, no depth cap).
+
+    python -m jobs.extract --limit 16 --lmax 12 --trees eagle2,ecospec --out out/extract
+
     python -m jobs.extract --source humaneval --limit 16 --out out/extract
     ray job submit --working-dir . -- python -m jobs.extract --source humaneval --limit 16
 """
@@ -29,6 +39,8 @@ from pathlib import Path
 
 from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
 from pipeline.data.domains import load_prompts
+from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR
+from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.junk_tails import ACCEPTANCES, TAIL_MODES, draws_per_acceptance
 from pipeline.extract.ray_pipeline import ExtractConfig, run_extraction
 from pipeline.tracking import tracked_run, tracking_uri
@@ -69,6 +81,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="temperature of draft_prob, target_prob and the sampled tails (1.0); "
         "greedy tails do not depend on it",
     )
+    p.add_argument(
+        "--trees",
+        default="",
+        help="comma list of draft-tree selection rules "
+        "for the tree bound (eagle2, ecospec, with :b=BRANCH,d=DEPTH); default none",
+    )
+    p.add_argument(
+        "--tree-budget",
+        type=int,
+        default=12,
+        help="draft nodes per state kept for each rule (12: gamma <= 13)",
+    )
+    p.add_argument(
+        "--predictor",
+        type=Path,
+        default=DEFAULT_PREDICTOR,
+        help="expert predictor of the ecospec rule (the embedded target's)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="reference length budget")
     p.add_argument(
         "--use-given",
@@ -95,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
     p.add_argument("--overwrite", action="store_true", help="discard an earlier run in --out")
     args = p.parse_args(argv)
-    for name in ("lmax", "max_new_tokens", "shard_size", "batch_size"):
+    for name in ("lmax", "max_new_tokens", "shard_size", "batch_size", "tree_budget"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
@@ -107,6 +137,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--acceptance/--draws: {err}")
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         p.error("--temperature must be a positive number")
+    args.trees = tuple(r.strip() for r in args.trees.split(",") if r.strip())
+    try:
+        rules = [TreeRule.parse(r) for r in args.trees]
+    except ValueError as err:
+        p.error(f"--trees: {err}")
+    if len({r.name for r in rules}) != len(rules):
+        p.error("--trees: a rule is given twice")
+    args.trees = tuple(r.name for r in rules)
     return args
 
 
@@ -130,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
         draws=args.draws,
         temperature=args.temperature,
         batch_size=args.batch_size,
+        trees=args.trees,
+        tree_budget=args.tree_budget,
+        predictor=str(args.predictor.resolve()) if args.trees else None,
     )
     with (
         ray_session(args.address, args.num_cpus),
@@ -162,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "reference_tokens_per_s": stats.reference_tokens / seconds,
                 "target_forwards_per_reference_token": stats.target_token_forwards
                 / max(1, stats.reference_tokens),
+                "tree_nodes": stats.tree_nodes,
+                "tree_target_forwards_per_reference_token": stats.tree_target_token_forwards
+                / max(1, stats.reference_tokens),
                 "seconds": stats.seconds,
             }
         )
@@ -172,8 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
         f"{stats.tail_tokens:,} tail tokens) in {stats.seconds:.0f}s on {len(result['nodes'])} "
         f"node(s); {result['shards_skipped']} shard(s) were already complete"
     )
+    if args.trees:
+        per_token = stats.tree_target_token_forwards / max(1, stats.reference_tokens)
+        print(
+            f"trees ({', '.join(args.trees)}): {stats.tree_nodes:,} node rows; "
+            f"{per_token:.2f} target token-forwards per reference token for their off-path "
+            "nodes (the rest is teacher-forced)"
+        )
     print(
-        f"tables under {config.out}/{{sequences,tokens,tails}}; MLflow run {run_id} at "
+        f"tables under {config.out}/{{sequences,tokens,tails,trees}}; MLflow run {run_id} at "
         f"{tracking_uri()}"
     )
     return result

@@ -6,6 +6,10 @@ writes decisions.parquet and summary.parquet (DESIGN section 4), lmax_sweep.csv/
 delta_space.png, policy.json (lambda, for the online `marginal` policy) and
 ablation_alpha0.json under --out. Sequences are solved in parallel Ray tasks.
 
+An extraction made with --trees also gets the tree bound beside the chain bound per budget
+(T = 0, greedy acceptance; tree_bound.csv): each selection rule's Bellman limit over budgets
+gamma <= K + 1, priced with the same cost model (pipeline.oracle.tree_bound).
+
 summary.parquet and the printed table cover every acceptance rule the extraction has tails for
 (greedy, sampling, surrogate), with and without the plain step (k = 0), in-sample (the bound)
 and cross-fitted (k* chosen on one tail draw, priced on another: the achievable estimate).
@@ -31,6 +35,7 @@ from pipeline.models.loading import DEFAULT_TARGET, load_config, load_tokenizer
 from pipeline.oracle.fanout import OracleConfig
 from pipeline.oracle.inputs import ACCEPTANCE_MODES, extraction_lmax
 from pipeline.oracle.study import StudyResult, format_study, run_study
+from pipeline.oracle.tree_study import format_tree_study, study_from_extraction
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -122,15 +127,26 @@ def main(argv: list[str] | None = None) -> dict:
                 decode=lambda ids: tokenizer.decode(ids),
             )  # fmt: skip
             metrics = study_metrics(result)
+            trees = None
+            if manifest.get("trees") and "greedy" in manifest.get("acceptances", []):
+                trees = study_from_extraction(args.extract, model, spec)
+                trees.to_csv(args.out / "tree_bound.csv", index=False)
+                run.log_artifact(str(args.out / "tree_bound.csv"))
+                metrics.update({f"tree_bound_{r.bound}_k{r.budget}": r.speedup
+                                for r in trees.itertuples()})  # fmt: skip
             run.log_metrics(metrics)
             for path in result.paths.values():
                 run.log_artifact(str(path))
             run_id = run.run_id
     print()
     print(format_study(result))
+    if trees is not None:
+        print()
+        print(format_tree_study(trees))
+        print(f"(tree_bound.csv under {args.out})")
     print(f"\nwrote {args.out}/ (decisions, summary, policy.json, plots); MLflow run {run_id} at "
           f"{tracking_uri()}")  # fmt: skip
-    return {"result": result}
+    return {"result": result, "trees": trees}
 
 
 if __name__ == "__main__":

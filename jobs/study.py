@@ -4,7 +4,8 @@
   2. profile   experts used per layer, growth of the expert union over consecutive tokens
   3. calibrate timed speculative rounds, and after each a pass with the routing forced to the
                next (m, U) cell of the design (--calibration-design) -> costmodel.json
-  4. oracle    the Bellman bound per Lmax, delta space, lambda, the alpha = 0 ablation
+  4. oracle    the Bellman bound per Lmax, delta space, lambda, the alpha = 0 ablation, and
+               the tree bound of each --trees rule beside the chain bound per budget (T = 0)
 
 Each step is the same code as its own job (jobs.extract, jobs.calibrate, jobs.oracle) and logs
 its own MLflow run. Defaults fit 2 CPU cores in a few minutes.
@@ -24,7 +25,10 @@ from jobs import extract as extract_job
 from jobs import oracle as oracle_job
 from jobs.cli import SOURCE_HELP, add_model_args, ray_session, run
 from pipeline.cost.calibration import DESIGNS
+from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR
+from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.routing_profile import extraction_profile
+from pipeline.extract.tree_rows import tree_predictor
 from pipeline.models.adapters import moe_spec
 from pipeline.models.loading import load_config
 from pipeline.tracking import tracked_run, tracking_uri
@@ -52,6 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration-threads", type=int, default=1,
                    help="torch threads while timing (1: what a serving replica runs, and a "
                         "core stays free for Ray's own processes)")  # fmt: skip
+    p.add_argument("--trees", default=None,
+                   help="draft-tree selection rules for the tree bound (jobs.extract --trees; "
+                   "default: eagle2,ecospec, or eagle2 alone when --predictor does not fit the "
+                   "target; '' for none)")  # fmt: skip
+    p.add_argument(
+        "--predictor",
+        type=Path,
+        default=DEFAULT_PREDICTOR,
+        help="expert predictor of the ecospec rule (the embedded target's)",
+    )
     add_model_args(p)
     p.add_argument("--out", type=Path, default=Path("out/study"))
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
@@ -61,6 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.calibration_prompts < 2:
         p.error("--calibration-prompts must be >= 2")
+    if args.trees is None:
+        spec = moe_spec(load_config(args.target))
+        try:
+            tree_predictor([TreeRule("ecospec")], str(args.predictor), spec, "cpu")
+            args.trees = "eagle2,ecospec"
+        except (ValueError, OSError) as exc:
+            print(f"tree bound: eagle2 only ({exc})")
+            args.trees = "eagle2"
     return args
 
 
@@ -90,6 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
                 str(args.max_new_tokens),
                 "--out",
                 str(extract_dir),
+                "--trees",
+                args.trees,
+                "--tree-budget",
+                str(args.lmax),
+                "--predictor",
+                str(args.predictor),
                 *models,
             ]
         )
@@ -127,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
         oracle_args = ["--extract", str(extract_dir), "--costmodel",
                        str(cal_dir / "costmodel.json"), "--target", args.target]  # fmt: skip
         _banner("4/4 oracle (every acceptance rule, with and without the plain step)")
-        result = oracle_job.main([*oracle_args, "--out", str(oracle_dir)])["result"]
+        oracle = oracle_job.main([*oracle_args, "--out", str(oracle_dir)])
+        result, trees = oracle["result"], oracle["trees"]
 
     _banner("study summary")
     overall = result.sweep[result.sweep["category"] == "all"]
@@ -143,6 +172,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{int(best['lmax'])}{cross_text}; mean draft {best['mean_draft_len']:.2f}, "
             f"mean accepted {best['mean_accepted']:.2f})"
         )
+    if trees is not None:
+        top = trees[trees["budget"] == trees["budget"].max()]
+        print(
+            f"tree bound at K = {int(top['budget'].iloc[0])} (T = 0): "
+            + ", ".join(f"{r.bound} {r.speedup:.3f}x" for r in top.itertuples())
+            + f" ({oracle_dir}/tree_bound.csv)"
+        )
     d = result.delta
     print(
         f"lambda ({result.config.acceptance}) = {d['lambda_ms'] or float('nan'):.4f} ms/token; "
@@ -150,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{d['quadrant_iii']:.0f}/{d['quadrant_iv']:.0f}"
     )
     print(
-        f"Parquet tables: {extract_dir}/{{sequences,tokens,tails}}, {cal_dir}/rounds.parquet, "
-        f"{oracle_dir}/{{decisions,summary}}.parquet"
+        f"Parquet tables: {extract_dir}/{{sequences,tokens,tails,trees}}, "
+        f"{cal_dir}/rounds.parquet, {oracle_dir}/{{decisions,summary}}.parquet"
     )
     print(
         f"plots: {cal_dir}/target_vs_experts.png, {oracle_dir}/lmax_sweep.png, "

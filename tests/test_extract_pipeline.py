@@ -101,7 +101,7 @@ def _extract_cmd(checkpoints, out: Path) -> list[str]:
         sys.executable, "-m", "jobs.extract", "--source", str(FIXTURE), "--limit", "6",
         "--target", str(checkpoints.target), "--draft", str(checkpoints.draft),
         "--out", str(out), "--lmax", "3", "--max-new-tokens", "6", "--shard-size", "1",
-        "--num-cpus", "2", "--tail-mode", "paper",
+        "--num-cpus", "2", "--tail-mode", "paper", "--trees", "eagle2", "--tree-budget", "2",
     ]  # fmt: skip
 
 
@@ -141,11 +141,13 @@ def _kill_run(proc: subprocess.Popen, marker: str) -> None:
 
 def _assert_same_rows(full: Path, resumed: Path) -> None:
     keys = {"sequences": ["seq_id"], "tokens": ["seq_id", "t"],
-            "tails": ["seq_id", "acceptance", "draw", "i", "k", "a", "r"]}  # fmt: skip
+            "tails": ["seq_id", "acceptance", "draw", "i", "k", "a", "r"],
+            "trees": ["seq_id", "rule", "i", "j"]}  # fmt: skip
     for name in TABLES:
         a = _sorted(read_table(full, name), keys[name])
         b = _sorted(read_table(resumed, name), keys[name])
         assert a.num_rows == b.num_rows and a.equals(b), name
+        assert a.num_rows > 0, name
 
 
 @pytest.mark.slow
@@ -217,15 +219,17 @@ def test_batched_actors_write_the_rows_of_one_at_a_time(checkpoints, tmp_path):
     try:
         for batch_size in (1, 3):
             out[batch_size] = tmp_path / f"b{batch_size}"
-            cfg = _config(checkpoints, out[batch_size], batch_size=batch_size, threads=1)
+            cfg = _config(checkpoints, out[batch_size], batch_size=batch_size, threads=1,
+                          trees=("eagle2-b2",), tree_budget=2)  # fmt: skip
             result = run_extraction(cfg, prompts, str(FIXTURE), 6, shard_size=3, actors=1,
                                     log=lambda *_: None)  # fmt: skip
             assert result["shards_done"] == 2
     finally:
         ray.shutdown()
     keys = {"sequences": ["seq_id"], "tokens": ["seq_id", "t"],
-            "tails": ["seq_id", "acceptance", "draw", "s", "r"]}  # fmt: skip
-    probs = ("draft_prob", "target_prob")
+            "tails": ["seq_id", "acceptance", "draw", "s", "r"],
+            "trees": ["seq_id", "rule", "i", "j"]}  # fmt: skip
+    probs = ("draft_prob", "target_prob", "path_prob")
     for name in TABLES:
         a = _sorted(read_table(out[1], name), keys[name])
         b = _sorted(read_table(out[3], name), keys[name])

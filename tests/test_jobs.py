@@ -123,7 +123,14 @@ def test_study_end_to_end_small(tmp_path):
     args = "--limit 3 --max-new-tokens 24 --lmax 4 --calibration-prompts 2 "
     args += "--calibration-tokens 12 --num-cpus 2 --out study"
     proc = _run(["jobs.study", *args.split()], cwd=tmp_path)
-    for text in ("routing profile", "Lmax sweep", "boundary slope lambda", "study done"):
+    for text in (
+        "routing profile",
+        "Lmax sweep",
+        "boundary slope lambda",
+        "study done",
+        "tree bound beside the chain bound",
+        "tree bound at K = 4 (T = 0): chain",
+    ):
         assert text in proc.stdout, text
     out = tmp_path / "study"
     for path in (
@@ -132,6 +139,7 @@ def test_study_end_to_end_small(tmp_path):
         "oracle/decisions.parquet",
         "oracle/summary.parquet",
         "oracle/policy.json",
+        "oracle/tree_bound.csv",
     ):
         assert (out / path).is_file(), path
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -218,7 +226,7 @@ def test_train_predictor_job_reports_a_missing_extraction(tmp_path):
 @pytest.mark.parametrize(
     ("job", "required"),
     [("bench_extract", []), ("bench_online", []), ("bench_serve", []), ("calibrate", []),
-     ("extract", []), ("profile_routing", []), ("study", []),
+     ("extract", []), ("profile_routing", []), ("study", []), ("bench_tree", []),
      ("train_predictor", ["--extract", "{tmp}"])],
 )  # fmt: skip
 def test_every_job_that_loads_models_takes_the_experts_implementation(job, required, tmp_path):
@@ -282,3 +290,41 @@ def test_bench_and_acceptance_arguments_are_checked_before_anything_loads(capsys
     assert "--max-m" in capsys.readouterr().err
     with pytest.raises(ValueError, match="given twice"):
         parse_policy_specs("fixed:k=2:k=3")
+
+
+@pytest.mark.slow
+def test_bench_tree_smoke(tmp_path):
+    proc = _run(["jobs.bench_tree", "--limit", "1", "--max-new-tokens", "10", "--repeats", "1",
+                 "--budgets", "1,2,4"], cwd=tmp_path)  # fmt: skip
+    for text in (
+        "tree bound beside the chain bound",
+        "eagle2-b2",
+        "ecospec-b2",
+        "chain-or-ecospec-b2",
+        "tree(depth=4,branch=2,gamma=9)",
+        "eagle2-b2-d4",
+        "ecospec-b2-d3",
+        "of bound",
+        "target token-forwards and",
+    ):
+        assert text in proc.stdout, text
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("bench_tree")
+    metrics = client.search_runs([exp.experiment_id])[0].data.metrics
+    assert {"chain_k4", "eagle2-b2_k4", "ecospec-b2_k4", "tree_target_forwards_per_token"} <= (
+        metrics.keys()
+    )
+    # With chains allowed beside the trees, the bound can only grow.
+    assert metrics["chain-or-eagle2-b2_k4"] >= metrics["chain_k4"] - 1e-9
+
+
+def test_tree_arguments_are_checked_before_anything_loads():
+    for job, argv, why in [
+        ("jobs.bench_tree", ["--policies", "fixed:k=2"], "fixed is not a tree policy"),
+        ("jobs.bench_tree", ["--rules", "beam"], "the selection must be one of"),
+        ("jobs.bench_tree", ["--policies", "tree:gamma=1"], "gamma must be >= 2"),
+        ("jobs.extract", ["--trees", "eagle2:q=1"], "unknown knob"),
+        ("jobs.extract", ["--trees", "eagle2,eagle2:b=2"], "given twice"),
+    ]:
+        proc = _run([job, *argv], REPO_ROOT, check=False)
+        assert proc.returncode == 2 and why in proc.stderr, (argv, proc.stderr[-500:])

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -142,7 +143,7 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
         _submit_and_wait(address, f"extract-{port}", [
             "python", "-m", "jobs.extract", "--source", str(FIXTURE), "--limit", "2",
             "--lmax", "3", "--max-new-tokens", "6", "--shard-size", "1",
-            "--out", str(extract_dir), *models,
+            "--trees", "eagle2", "--tree-budget", "3", "--out", str(extract_dir), *models,
         ], env, runtime_env)  # fmt: skip
         assert len(list((extract_dir / "tails").glob("shard-*.parquet"))) == 2
         costmodel = tmp_path / "costmodel.json"
@@ -159,6 +160,8 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
         ], env, runtime_env)  # fmt: skip
         assert (oracle_dir / "decisions.parquet").is_file()
         assert json.loads((oracle_dir / "policy.json").read_text())["lmax"] == 3
+        trees = pd.read_csv(oracle_dir / "tree_bound.csv")
+        assert set(trees["bound"]) == {"chain", "eagle2-b2", "chain-or-eagle2-b2"}
         client = MlflowClient(f"sqlite:///{db}")
         for name in ("extract", "oracle"):
             exp = client.get_experiment_by_name(name)

@@ -48,6 +48,23 @@ TAILS_SCHEMA = pa.schema(
         ("a", pa.int32()),
     ]
 )
+# Draft trees for the tree bound (pipeline.extract.draft_trees; beyond DESIGN): one row per node
+# a selection rule verifies at state i, in selection order (any first k rows are the tree of
+# budget gamma = k + 1), with the target's routing of the node (teacher-forced on the path).
+TREES_SCHEMA = pa.schema(
+    [
+        ("seq_id", pa.string()),
+        ("rule", pa.string()),  # selection rule and its tree: eagle2-b2, ecospec-b2-d3, ...
+        ("i", pa.int32()),  # the state: x_0..x_i committed, x_i the root
+        ("j", pa.int32()),  # 1-based selection rank
+        ("parent", pa.int32()),  # the parent's rank, 0: the root x_i
+        ("depth", pa.int32()),  # 1-based: the node is a candidate for x_{i + depth}
+        ("token_id", pa.int32()),
+        ("path_prob", pa.float32()),  # the draft's probability of the node's path from the root
+        ("on_path", pa.bool_()),  # the node's path is x_{i+1}..x_{i+depth} (greedy: accepted)
+        ("experts", EXPERTS_TYPE),
+    ]
+)
 
 # calibration (pipeline.cost)
 ROUNDS_SCHEMA = pa.schema(

@@ -210,7 +210,6 @@ def sample_tails(
     return [tokens[b, : specs.length[b]] for b in range(n)]
 
 
-@torch.no_grad()
 def route_tails(
     target: PreTrainedModel,
     spec: MoESpec,
@@ -220,17 +219,35 @@ def route_tails(
 ) -> np.ndarray:
     """The target's routing of packed tails, ``[sum of lengths, layers, top_k]`` int16, in tail
     order. One forward for all of them; the cache is returned to its original length."""
-    device = next(target.parameters()).device
-    base_len = target_cache.get_seq_length()
     lengths = [len(t) for t in tails]
     if not sum(lengths):
         return np.zeros((0, spec.num_moe_layers, spec.top_k), dtype=np.int16)
-    parents = chains_as_tree(lengths)
     root_context = np.repeat(contexts, lengths).tolist()
+    return route_forest(target, spec, target_cache, np.concatenate(tails),
+                        chains_as_tree(lengths), root_context)  # fmt: skip
+
+
+@torch.no_grad()
+def route_forest(
+    target: PreTrainedModel,
+    spec: MoESpec,
+    target_cache: Cache,
+    tokens: np.ndarray,
+    parents: list[int],
+    root_context: list[int],
+) -> np.ndarray:
+    """The target's routing of a packed forest (tails as chains, or the off-path nodes of
+    draft trees), ``[nodes, layers, top_k]`` int16: node j follows its ancestors after the
+    cache's first ``root_context[j]`` positions (tree_attention_inputs). One forward; the cache
+    is returned to its original length."""
+    device = next(target.parameters()).device
+    base_len = target_cache.get_seq_length()
+    if not len(tokens):
+        return np.zeros((0, spec.num_moe_layers, spec.top_k), dtype=np.int16)
     mask, positions = tree_attention_inputs(
         parents, base_len, target.dtype, device, root_context=root_context
     )
-    ids = torch.from_numpy(np.concatenate(tails)).to(device).view(1, -1)
+    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device).view(1, -1)
     try:
         with RoutingCapture(target, spec) as capture:
             target(

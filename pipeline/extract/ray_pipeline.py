@@ -3,8 +3,8 @@
 Each shard is a fixed group of prompts. A pool of actors, one per GPU (or CPU actors that
 leave a core free for Ray Data's own read and bookkeeping tasks), each loads the target and
 draft once, builds the shard's reference sequences, extracts them and writes the shard's
-``sequences``, ``tokens`` and ``tails`` files itself (pipeline.data.shards), so a rerun skips
-every shard already written.
+``sequences``, ``tokens``, ``tails`` and ``trees`` (empty without tree rules) files itself
+(pipeline.data.shards), so a rerun skips every shard already written.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from ray.data import ActorPoolStrategy
 
 from pipeline.data.prompts import Prompt
 from pipeline.data.shards import check_manifest, completed_shards, write_shard
+from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.junk_tails import ACCEPTANCES, draws_per_acceptance
 from pipeline.extract.rows import ExtractStats, extract_sequences
+from pipeline.extract.tree_rows import tree_predictor
 
-TABLES = ("sequences", "tokens", "tails")
+TABLES = ("sequences", "tokens", "tails", "trees")  # trees: empty unless rules are given
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,12 @@ class ExtractConfig:
     # Sequences decoded (greedy references) and teacher-forced together, within a shard; 1: each
     # alone. Kept in the manifest: float rounding differs with the batch, so may a near-tie.
     batch_size: int = 16
+    # Draft-tree selection rules (pipeline.extract.draft_trees, e.g. "eagle2", "ecospec:d=3")
+    # whose first tree_budget nodes at every state go to the trees table; ecospec reads the
+    # expert predictor at `predictor`.
+    trees: tuple[str, ...] = ()
+    tree_budget: int = 12
+    predictor: str | None = None
 
     def manifest(self, source: str, limit: int | None, shard_size: int) -> dict[str, Any]:
         """The parameters that determine the rows (device and threads do not)."""
@@ -58,6 +66,7 @@ class ExtractConfig:
         for volatile in ("out", "device", "threads", "chunk_tokens"):
             keep.pop(volatile)
         keep["acceptances"] = list(self.acceptances)  # as JSON reads it back, for the comparison
+        keep["trees"] = list(self.trees)
         return {**keep, "source": source, "limit": limit, "shard_size": shard_size}
 
 
@@ -76,6 +85,9 @@ class ShardExtractor:
             config.target, config.draft, config.device, config.dtype, config.experts_implementation
         )
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.rules = tuple(TreeRule.parse(r) for r in config.trees)
+        self.predictor = tree_predictor(list(self.rules), config.predictor, self.pair.spec,
+                                        self.pair.device)  # fmt: skip
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from pipeline.data.references import build_references
@@ -104,6 +116,9 @@ class ShardExtractor:
                 draws=cfg.draws,
                 temperature=cfg.temperature,
                 batch_size=cfg.batch_size,
+                trees=self.rules,
+                tree_budget=cfg.tree_budget,
+                predictor=self.predictor,
             )
             stats = ExtractStats()
             for part in parts:
@@ -170,6 +185,11 @@ def run_extraction(
         raise ValueError(f"temperature must be a positive number, got {config.temperature}")
     if config.batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {config.batch_size}")
+    rules = [TreeRule.parse(r) for r in config.trees]  # a bad rule fails here, named
+    if rules and config.tree_budget < 1:
+        raise ValueError(f"tree budget must be >= 1 draft node, got {config.tree_budget}")
+    if any(r.selection == "ecospec" for r in rules) and not config.predictor:
+        raise ValueError("an ecospec tree rule needs an expert predictor (--predictor)")
     out = Path(config.out)
     check_manifest(out, config.manifest(source, limit, shard_size), overwrite)
     shards = shard_prompts(prompts, shard_size)

@@ -12,14 +12,21 @@ teacher_forced) and each sequence's tails on its own slice of the batch's caches
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from pipeline.data.references import ReferenceSequence
-from pipeline.data.schemas import SEQUENCES_SCHEMA, TAILS_SCHEMA, TOKENS_SCHEMA, experts_array
+from pipeline.data.schemas import (
+    SEQUENCES_SCHEMA,
+    TAILS_SCHEMA,
+    TOKENS_SCHEMA,
+    TREES_SCHEMA,
+    experts_array,
+)
+from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.junk_tails import (
     ACCEPTANCES,
     TailSpecs,
@@ -29,7 +36,9 @@ from pipeline.extract.junk_tails import (
     tail_specs,
 )
 from pipeline.extract.teacher_forced import TeacherForced, teacher_forced, teacher_forced_batch
+from pipeline.extract.tree_rows import tree_rows
 from pipeline.models.loading import ModelPair
+from pipeline.predictor.model import ExpertPredictor
 
 
 @dataclass
@@ -41,6 +50,8 @@ class ExtractStats:
     tails: int = 0
     target_token_forwards: int = 0
     draft_token_forwards: int = 0
+    tree_nodes: int = 0  # rows of the trees table (over rules)
+    tree_target_token_forwards: int = 0  # of target_token_forwards: the trees' off-path nodes
     seconds: float = 0.0
 
     def add(self, other: ExtractStats) -> None:
@@ -52,6 +63,8 @@ class ExtractStats:
             "tails",
             "target_token_forwards",
             "draft_token_forwards",
+            "tree_nodes",
+            "tree_target_token_forwards",
             "seconds",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -63,6 +76,7 @@ class SequenceTables:
     tokens: pa.Table
     tails: pa.Table
     stats: ExtractStats
+    trees: pa.Table = field(default_factory=TREES_SCHEMA.empty_table)
 
 
 def _chunks(specs: TailSpecs, max_tokens: int) -> list[np.ndarray]:
@@ -104,14 +118,19 @@ def extract_sequence(
     draws: int = 2,
     temperature: float = 1.0,
     forced: TeacherForced | None = None,
+    trees: tuple[TreeRule, ...] = (),
+    tree_budget: int = 12,
+    predictor: ExpertPredictor | None = None,
 ) -> SequenceTables:
     """All rows for one reference sequence: tails for every acceptance in ``acceptances`` and
     ``draws`` independent draws of each (greedy: one), probabilities at ``temperature``.
     Deterministic for a given (seed, seq_id), whatever ``chunk_tokens`` packs together.
-    ``forced``: the sequence's teacher-forced passes, if already run (in a batch)."""
+    ``forced``: the sequence's teacher-forced passes, if already run (in a batch). ``trees``:
+    selection rules whose first ``tree_budget`` nodes at every state go to the ``trees`` table
+    (pipeline.extract.tree_rows; ``predictor`` for EcoSpec's rule)."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature}")
-    _check_sliding_window(pair, len(ref.all_ids) + lmax)
+    _check_sliding_window(pair, len(ref.all_ids) + max(lmax, tree_budget if trees else 0))
     device = pair.device
     n = ref.n_tokens
     ref_tokens = torch.tensor(ref.all_ids[ref.prompt_len - 1 :], device=device)  # x_0 .. x_N
@@ -204,6 +223,8 @@ def extract_sequence(
         schema=SEQUENCES_SCHEMA,
     )
     n_tails = len(specs)
+    trees_table, tree_stats = (tree_rows(pair, ref, forced, list(trees), tree_budget, predictor,
+                                         chunk_tokens) if trees else (None, None))  # fmt: skip
     stats = ExtractStats(
         sequences=1,
         reference_tokens=n,
@@ -213,7 +234,13 @@ def extract_sequence(
         target_token_forwards=len(ref.all_ids) + total_tail,
         draft_token_forwards=len(ref.all_ids) + total_tail - n_tails,
     )
-    return SequenceTables(sequences_table, tokens_table, tails_table, stats)
+    if tree_stats is None:
+        return SequenceTables(sequences_table, tokens_table, tails_table, stats)
+    stats.tree_nodes = tree_stats.nodes
+    stats.tree_target_token_forwards = tree_stats.target_token_forwards
+    stats.target_token_forwards += tree_stats.target_token_forwards
+    stats.draft_token_forwards += tree_stats.draft_token_forwards
+    return SequenceTables(sequences_table, tokens_table, tails_table, stats, trees_table)
 
 
 def extract_sequences(
@@ -228,6 +255,9 @@ def extract_sequences(
     draws: int = 2,
     temperature: float = 1.0,
     batch_size: int = 16,
+    trees: tuple[TreeRule, ...] = (),
+    tree_budget: int = 12,
+    predictor: ExpertPredictor | None = None,
 ) -> list[SequenceTables]:
     """``extract_sequence`` of every reference, in order, the teacher-forced passes
     ``batch_size`` sequences at a time (1: each alone, the original path)."""
@@ -236,8 +266,9 @@ def extract_sequences(
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature}")
     for ref in refs:  # refuse before the batch's forwards, as a lone sequence does
-        _check_sliding_window(pair, len(ref.all_ids) + lmax)
-    tails = {"acceptances": acceptances, "draws": draws, "temperature": temperature}
+        _check_sliding_window(pair, len(ref.all_ids) + max(lmax, tree_budget if trees else 0))
+    tails = {"acceptances": acceptances, "draws": draws, "temperature": temperature,
+             "trees": trees, "tree_budget": tree_budget, "predictor": predictor}  # fmt: skip
     out: list[SequenceTables] = []
     for start in range(0, len(refs), batch_size):
         group = refs[start : start + batch_size]

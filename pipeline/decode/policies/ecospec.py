@@ -77,6 +77,11 @@ def path_footprints(
     """E_traj of every node: its parent's footprint plus its own token's predicted experts
     (one batched predictor call for the whole tree)."""
     predicted = predictor.predict_many(tokens, contexts) if tokens else []
+    return footprints_of(predicted, parents)
+
+
+def footprints_of(predicted, parents: list[int]) -> list[Footprint]:
+    """E_traj of every node from each node's own predicted experts ``[layers, top_k]``."""
     out: list[Footprint] = []
     for token_experts, parent in zip(predicted, parents, strict=True):
         own = [set(row.tolist()) for row in token_experts]
