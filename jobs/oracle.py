@@ -112,8 +112,13 @@ def main(argv: list[str] | None = None) -> dict:
     manifest = json.loads((args.extract / "manifest.json").read_text())
     # The bound prices the extraction's routing with this cost model: both must come from the
     # same checkpoints, dtype and experts implementation.
+    want_trees = bool(manifest.get("trees")) and "greedy" in manifest.get("acceptances", [])
+    if manifest.get("trees") and not want_trees:
+        print("no tree bound: the extraction has trees but no greedy tails for the chain bound")
+    need = max(max(lmaxes), int(manifest.get("tree_budget", 0)) if want_trees else 0)
     model = CostModel.load(
-        args.costmodel, range(1, max(lmaxes) + 2), f"the oracle at Lmax {max(lmaxes)}",
+        args.costmodel, range(1, need + 2), f"the oracle at Lmax {max(lmaxes)}"
+        + (f" and the tree bound at budget {manifest['tree_budget']}" if want_trees else ""),
         provenance=manifest_provenance(manifest), allow_mismatch=args.allow_costmodel_mismatch,
     )  # fmt: skip
     spec = moe_spec(load_config(args.target))
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             )  # fmt: skip
             metrics = study_metrics(result)
             trees = None
-            if manifest.get("trees") and "greedy" in manifest.get("acceptances", []):
+            if want_trees:
                 trees = study_from_extraction(args.extract, model, spec)
                 trees.to_csv(args.out / "tree_bound.csv", index=False)
                 run.log_artifact(str(args.out / "tree_bound.csv"))

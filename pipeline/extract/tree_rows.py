@@ -87,7 +87,9 @@ def tree_rows(
     built from its teacher-forced passes ``forced`` (whose caches hold the whole reference)."""
     if k_max < 1:
         raise ValueError(f"the largest budget needs at least one draft node, got k_max {k_max}")
-    if any(r.selection == "ecospec" for r in rules) and predictor is None:
+    if not any(r.selection == "ecospec" for r in rules):
+        predictor = None  # only EcoSpec reads it (and its contexts cost a draft pass)
+    elif predictor is None:
         raise ValueError("an ecospec tree rule needs the expert predictor (--predictor)")
     n, p_len = ref.n_tokens, ref.prompt_len
     reference = np.asarray(ref.all_ids[p_len - 1 :])  # x_0 .. x_N
