@@ -38,7 +38,7 @@ from pipeline.extract.teacher_forced import teacher_forced
 from pipeline.extract.tree_rows import tree_rows
 from pipeline.models.loading import ModelPair
 from pipeline.oracle.inputs import inputs_from_tables
-from pipeline.oracle.tree_bound import fixed_budget_ms, solve_tree, tree_input
+from pipeline.oracle.tree_bound import fixed_budgets_ms, solve_tree, tree_input, tree_tables
 from pipeline.oracle.tree_study import DEFAULT_BUDGETS, format_tree_study, pool, sequence_rows
 
 SELECTION_OF = {"tree": "eagle2", "ecospec": "ecospec"}  # the policy -> the rule it follows
@@ -153,10 +153,14 @@ def run_tree_bench(
         row = first[p]
         priced = [modelled_generation(pair, pr, o, st, cost)
                   for pr, o, st in zip(prompts, row.outputs, row.steps, strict=True)]  # fmt: skip
-        tin = [tins[(j, rule.name)] for j in range(len(prompts))]
-        bound = sum(solve_tree(cost, t, [k_max])[0].dp[0] for t in tin)
-        bound_own = sum(solve_tree(cost, t, [min(gamma - 1, k_max)])[0].dp[0] for t in tin)
-        fixed = sum(fixed_budget_ms(cost, t, min(gamma - 1, k_max)) for t in tin)
+        own_k = min(gamma - 1, k_max)
+        bound = bound_own = fixed = 0.0
+        for j in range(len(prompts)):
+            tin = tins[(j, rule.name)]
+            tables = tree_tables(cost, tin)
+            whole, at_own = solve_tree(cost, tin, [k_max, own_k], tables)
+            bound, bound_own = bound + whole.dp[0], bound_own + at_own.dp[0]
+            fixed += fixed_budgets_ms(*tables, [own_k])[0]
         scores.append(PolicyScore(
             label=row.label, rule=rule.name, gamma=gamma,
             measured=[float(seconds[r, 0] / seconds[r, p]) for r in range(repeats)],

@@ -34,6 +34,9 @@ class TeacherForced:
     draft_logits: torch.Tensor  # [N, vocab], float32
     target_cache: Cache  # every position of the reference
     draft_cache: Cache
+    # The draft's last hidden state after every position of prompt + reference (EcoSpec's
+    # predictor contexts in the draft trees), [prompt + N, hidden].
+    draft_hidden: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -48,13 +51,14 @@ def teacher_forced(pair: ModelPair, ref: ReferenceSequence) -> TeacherForced:
         pair.target, pair.spec, ids, past_key_values=target_cache, **keep
     )
     draft_cache = DynamicCache(config=pair.draft.config)
-    draft_logits = pair.draft(ids, past_key_values=draft_cache, **keep).logits[0, :n].float()
+    draft_out = pair.draft(ids, past_key_values=draft_cache, output_hidden_states=True, **keep)
     return TeacherForced(
         routing=routing[0, p0:].to(torch.int16).cpu().numpy(),
         target_logits=target_out.logits[0, :n],
-        draft_logits=draft_logits,
+        draft_logits=draft_out.logits[0, :n].float(),
         target_cache=target_cache,
         draft_cache=draft_cache,
+        draft_hidden=draft_out.hidden_states[-1][0],
     )
 
 
@@ -95,7 +99,8 @@ def teacher_forced_batch(pair: ModelPair, refs: list[ReferenceSequence]) -> list
         pair.target, pair.spec, ids, past_key_values=target_cache, **kwargs
     )
     draft_cache = DynamicCache(config=pair.draft.config)
-    draft_logits = pair.draft(ids, past_key_values=draft_cache, **kwargs).logits
+    draft_out = pair.draft(ids, past_key_values=draft_cache, output_hidden_states=True, **kwargs)
+    draft_logits, draft_hidden = draft_out.logits, draft_out.hidden_states[-1]
     routing = routing.to(torch.int16).cpu().numpy()
     out = []
     for b, ref in enumerate(refs):
@@ -108,6 +113,7 @@ def teacher_forced_batch(pair: ModelPair, refs: list[ReferenceSequence]) -> list
                 draft_logits=draft_logits[b, rows].float(),
                 target_cache=row_cache(target_cache, pair.target.config, b, length),
                 draft_cache=row_cache(draft_cache, pair.draft.config, b, length),
+                draft_hidden=draft_hidden[b, -length:],
             )
         )
     return out

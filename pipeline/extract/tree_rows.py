@@ -66,14 +66,6 @@ def _on_path(exp: Expansion, reference: np.ndarray, i: int) -> list[bool]:
 
 
 @torch.no_grad()
-def _draft_hidden(pair: ModelPair, ref: ReferenceSequence) -> torch.Tensor:
-    """The draft's last hidden state after every position of prompt + reference (EcoSpec's
-    predictor contexts), one forward."""
-    ids = torch.tensor([list(ref.all_ids)], device=pair.device)
-    return pair.draft(ids, output_hidden_states=True).hidden_states[-1][0]
-
-
-@torch.no_grad()
 def tree_rows(
     pair: ModelPair,
     ref: ReferenceSequence,
@@ -94,10 +86,7 @@ def tree_rows(
     n, p_len = ref.n_tokens, ref.prompt_len
     reference = np.asarray(ref.all_ids[p_len - 1 :])  # x_0 .. x_N
     stats = TreeStats()
-    hidden = _draft_hidden(pair, ref) if predictor is not None else None
-    if hidden is not None:
-        stats.draft_token_forwards += len(ref.all_ids)
-    root_probs = torch.softmax(forced.draft_logits.float(), dim=-1)  # row i: after x_i
+    hidden = forced.draft_hidden if predictor is not None else None
     columns: dict[str, list] = {name: [] for name in TREES_SCHEMA.names}
     routing_rows: list[np.ndarray] = []
     for branch in sorted({r.branch for r in rules}):
@@ -111,7 +100,7 @@ def tree_rows(
             part, fed = expand_states(
                 pair.draft,
                 forced.draft_cache,
-                root_probs[lo:hi],
+                torch.softmax(forced.draft_logits[lo:hi].float(), dim=-1),  # after x_lo..
                 [p_len + i for i in range(lo, hi)],
                 branch,
                 levels,

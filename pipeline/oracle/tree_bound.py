@@ -114,19 +114,31 @@ def tree_tables(model: CostModel, tin: TreeInput) -> tuple[np.ndarray, np.ndarra
     return probs, np.repeat(step[:, :, None], kk, axis=2)
 
 
-def solve_tree(model: CostModel, tin: TreeInput, caps: list[int]) -> list[OracleSolution]:
-    """The tree bound with budgets capped at each k in ``caps`` (gamma <= k + 1)."""
-    probs, cost = tree_tables(model, tin)
+def solve_tree(
+    model: CostModel,
+    tin: TreeInput,
+    caps: list[int],
+    tables: tuple[np.ndarray, np.ndarray] | None = None,
+) -> list[OracleSolution]:
+    """The tree bound with budgets capped at each k in ``caps`` (gamma <= k + 1);
+    ``tables``: tree_tables(model, tin) if already built."""
+    probs, cost = tables if tables is not None else tree_tables(model, tin)
     union = np.repeat(tin.union[:, :, None], tin.k_max + 1, axis=2)
     return solve_many(probs, cost, caps, union)
 
 
+def fixed_budgets_ms(probs: np.ndarray, cost: np.ndarray, ks: list[int]) -> np.ndarray:
+    """Expected cost of one budget k at every state, for each k in ``ks`` (k capped at N - i
+    near the end), of a chain's or a rule's tables: a static policy (fixed K, or `tree` /
+    `ecospec` at one gamma) priced by the same model. One pass for all of them."""
+    n = probs.shape[0]
+    schedules = np.minimum(np.asarray(ks)[:, None], n - np.arange(n)[None, :])
+    return evaluate_policy(probs, cost, schedules)[:, 0]
+
+
 def fixed_budget_ms(model: CostModel, tin: TreeInput, k: int) -> float:
-    """Expected cost of R at one budget k at every state (k capped at N - i near the end):
-    a static tree policy (`tree`, `ecospec`) priced by the same model."""
-    probs, cost = tree_tables(model, tin)
-    schedule = np.minimum(k, tin.n - np.arange(tin.n))
-    return float(evaluate_policy(probs, cost, schedule)[0])
+    """fixed_budgets_ms of one rule at one budget."""
+    return float(fixed_budgets_ms(*tree_tables(model, tin), [k])[0])
 
 
 def solve_either(tables: list[tuple[np.ndarray, np.ndarray]], cap: int) -> tuple[float, list]:

@@ -25,13 +25,12 @@ from pipeline.oracle.bellman import (
     acceptance_table,
     ar_cost,
     cost_table,
-    evaluate_policy,
     solve_many,
 )
 from pipeline.oracle.inputs import SequenceInput, build_input, extraction_manifest, load_rows
 from pipeline.oracle.tree_bound import (
     TreeInput,
-    fixed_budget_ms,
+    fixed_budgets_ms,
     solve_either,
     solve_tree,
     tree_input,
@@ -62,11 +61,6 @@ def chain_tables(seq: SequenceInput, model: CostModel, lmax: int) -> tuple[np.nd
     return probs, cost_table(model, union, seq.prompt_len), union
 
 
-def _fixed_chain_ms(probs: np.ndarray, cost: np.ndarray, k: int) -> float:
-    n = probs.shape[0]
-    return float(evaluate_policy(probs, cost, np.minimum(k, n - np.arange(n)))[0])
-
-
 def sequence_rows(seq: SequenceInput, trees: list[TreeInput], model: CostModel,
                   budgets: list[int], chain_lmax: int) -> list[dict]:  # fmt: skip
     """Long-form rows (budget, bound, ms figures) for one sequence."""
@@ -75,19 +69,22 @@ def sequence_rows(seq: SequenceInput, trees: list[TreeInput], model: CostModel,
     chain_caps = [k for k in budgets if k <= chain_lmax]
     if chain_caps:
         probs, cost, union = chain_tables(seq, model, max(chain_caps))
-        fixed = {k: _fixed_chain_ms(probs, cost, k) for k in range(1, max(chain_caps) + 1)}
+        ks = list(range(1, max(chain_caps) + 1))
+        fixed = dict(zip(ks, fixed_budgets_ms(probs, cost, ks), strict=True))
         for k, sol in zip(chain_caps, solve_many(probs, cost, chain_caps, union), strict=True):
             rows.append({"budget": k, "bound": CHAIN, "ar_ms": ar, **_stats(sol).__dict__,
                          **{f"fixed_{j}": fixed[j] for j in range(1, k + 1)}})  # fmt: skip
     for tin in trees:
         caps = [k for k in budgets if k <= tin.k_max]
-        fixed = {k: fixed_budget_ms(model, tin, k) for k in range(1, max(caps) + 1)}
-        for k, sol in zip(caps, solve_tree(model, tin, caps), strict=True):
+        tables = tree_tables(model, tin)
+        ks = list(range(1, max(caps) + 1))
+        fixed = dict(zip(ks, fixed_budgets_ms(*tables, ks), strict=True))
+        for k, sol in zip(caps, solve_tree(model, tin, caps, tables), strict=True):
             rows.append({"budget": k, "bound": tin.rule.name, "ar_ms": ar, **_stats(sol).__dict__,
                          **{f"fixed_{j}": fixed[j] for j in range(1, k + 1)}})  # fmt: skip
         if not chain_caps:
             continue
-        both = [(probs, cost), tree_tables(model, tin)]
+        both = [(probs, cost), tables]
         for k in [c for c in caps if c in chain_caps]:
             dp0, path = solve_either(both, k)
             rows.append({"budget": k, "bound": f"{CHAIN}-or-{tin.rule.name}", "ar_ms": ar,
