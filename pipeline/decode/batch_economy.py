@@ -64,29 +64,48 @@ class BatchEconomy:
         self._rows = {k: v for k, v in self._rows.items() if v[1] >= fresh}
         keys = list(self._rows)
         accs = [self._rows[k][0] for k in keys]
-        cost, rows = self.cost, len(keys)
         ctxs = [self._rows[k][2] for k in keys]
-        base = cost.t_step_overhead(rows)
-        best = (float("inf"), [0] * rows)
-        rho = (base + cost.t_target(rows, None, sum(ctxs))) / rows  # plain steps: a first guess
-        for _ in range(3):  # Dinkelbach: the rate a plan achieves prices the next one
-            # A drafted token's own cost: its place in the rounds, its position in the pass
-            # (its work and its share of new experts) and its attention over its context.
-            unit = cost.d_tok + cost.marginal_target(rows * 3.0, 1)
-            upto = [_best_prefix(a, max_k, rho, unit + cost.b_ctx * c)
-                    for a, c in zip(accs, ctxs, strict=True)]  # fmt: skip
-            for rounds in range(max_k + 1):
-                ks = [u[rounds] for u in upto]
-                attended = sum((1 + k) * c for k, c in zip(ks, ctxs, strict=True))
-                ms = base + cost.t_target(sum(ks) + rows, None, attended)
-                ms += sum(cost.t_draft(sum(k >= j for k in ks)) for j in range(1, rounds + 1))
-                tokens = sum(1 + expected(a, k) for a, k in zip(accs, ks, strict=True))
-                if ms / tokens < best[0]:
-                    best = (ms / tokens, ks)
-            rho = best[0]
-        self._plan = dict(zip(keys, best[1], strict=True))
-        self.planned_rate = best[0]
+        ks, self.planned_rate = plan_lengths(self.cost, accs, ctxs, max_k)
+        self._plan = dict(zip(keys, ks, strict=True))
         self._planned_at = self._steps
+
+
+def plan_lengths(
+    cost: BatchCost,
+    accs: list[list[float]],
+    ctxs: list[int],
+    max_k: int,
+    step_overhead: bool = True,
+    sunk_rounds: int = 0,
+) -> tuple[list[int], float]:
+    """The chain length of every generation of a batch that maximises its tokens per ms, and
+    that rate (ms per token); ``accs[r][j]``: the chance generation r's token j + 1 is accepted
+    given the ones before it were (a generation with fewer entries drafts at most that many),
+    ``ctxs[r]`` its context length (module docstring). The first ``sunk_rounds`` draft rounds
+    are already paid for: they cost nothing more whichever plan is chosen."""
+    rows = len(accs)
+    if rows == 0:
+        return [], float("nan")
+    base = cost.t_step_overhead(rows) if step_overhead else 0.0
+    best = (float("inf"), [0] * rows)
+    rho = (base + cost.t_target(rows, None, sum(ctxs))) / rows  # plain steps: a first guess
+    for _ in range(3):  # Dinkelbach: the rate a plan achieves prices the next one
+        # A drafted token's own cost: its place in the rounds, its position in the pass
+        # (its work and its share of new experts) and its attention over its context.
+        unit = cost.d_tok + cost.marginal_target(rows * 3.0, 1)
+        upto = [_best_prefix(a, max_k, rho, unit + cost.b_ctx * c)
+                for a, c in zip(accs, ctxs, strict=True)]  # fmt: skip
+        for rounds in range(max_k + 1):
+            ks = [u[rounds] for u in upto]
+            attended = sum((1 + k) * c for k, c in zip(ks, ctxs, strict=True))
+            ms = base + cost.t_target(sum(ks) + rows, None, attended)
+            later = range(sunk_rounds + 1, rounds + 1)
+            ms += sum(cost.t_draft(sum(k >= j for k in ks)) for j in later)
+            tokens = sum(1 + expected(a, k) for a, k in zip(accs, ks, strict=True))
+            if ms / tokens < best[0]:
+                best = (ms / tokens, ks)
+        rho = best[0]
+    return best[1], best[0]
 
 
 def expected(accept: list[float], k: int) -> float:
@@ -99,9 +118,13 @@ def expected(accept: list[float], k: int) -> float:
 
 
 def _best_prefix(accept: list[float], max_k: int, rho: float, unit: float) -> list[int]:
-    """For each R = 0 .. max_k, the k <= R maximising rho * E(k) - unit * k."""
+    """For each R = 0 .. max_k, the k <= R maximising rho * E(k) - unit * k; a chain never
+    runs past its own ``accept`` (a generation whose longest chain is shorter than max_k)."""
     out, best_k, best_v, value, p = [0], 0, 0.0, 0.0, 1.0
     for k in range(1, max_k + 1):
+        if k > len(accept):
+            out.append(best_k)
+            continue
         p *= accept[k - 1]
         value += rho * p - unit
         if value > best_v:

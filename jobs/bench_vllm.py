@@ -1,0 +1,167 @@
+"""vLLM's speculative decoding against our engine on the embedded models: per (domain,
+temperature, concurrency) cell, output tokens/s of vLLM without speculation, with its draft
+model at each fixed K, n-gram, suffix decoding, a per-batch-size K schedule and our cost-aware
+proposer (a vLLM custom_class), and of our own engine (ar, the best fixed K, throughput) on the
+same token prompts, over interleaved repeats (median, min-max).
+
+vLLM runs in its own environment (`make vllm-env`; SPECBOUND_VLLM_PYTHON to use another):
+
+    python -m jobs.bench_vllm                                   # everything (long)
+    python -m jobs.bench_vllm --domains code --concurrency 1,8 --repeats 1 --limit 4
+    python -m jobs.bench_vllm --methods none,draft_model:k=2..4,ours:k=6:temperature=1 \\
+        --no-engine
+
+Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expands):
+  none                      vLLM without speculation (every ratio's baseline)
+  draft_model:k=K           the draft checkpoint, K tokens a step (draft_sample_method=...)
+  draft_model:k=K:schedule=1:4/4:3/8:2
+                            vLLM's num_speculative_tokens_per_batch_size: K by the number
+                            of requests scheduled in a step (start:K ranges, each up to the
+                            next start; K capped at k)
+  ngram:k=K                 prompt lookup (min=, max=: window; vLLM's default is 5..5)
+  suffix                    suffix decoding (needs arctic-inference; recorded as failed
+                            when absent)
+  ours:k=K                  pipeline.vllm_spec.proposer.CostAwareProposer, K at most; other
+                            knobs go to it as the JSON of SPECBOUND_PROPOSER
+
+Results: tables.txt, summary.json, raw.json (every output token) and vllm.log under --out,
+and an MLflow run (experiment bench_vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from jobs.cli import add_model_args, parse_ks, parser, run, torch_threads
+from pipeline.bench.vllm import DOMAINS, bench_vllm, check_domains
+from pipeline.bench.vllm_methods import DEFAULT_METHODS, parse_methods
+from pipeline.tracking import tracked_run, tracking_uri
+from pipeline.vllm_spec.env import vllm_python
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad temperature list {text!r}: {exc}") from exc
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0: {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("jobs.bench_vllm", __doc__)
+    add_model_args(p)
+    p.add_argument(
+        "--domains",
+        default=",".join(DOMAINS),
+        help=f"prompt domains, comma-separated (default: {','.join(DOMAINS)})",
+    )
+    p.add_argument(
+        "--temperatures",
+        type=_floats,
+        default=[0.0, 1.0],
+        help="sampling temperatures, 0 = greedy (default: 0,1)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=parse_ks,
+        default=[1, 4, 8, 16],
+        help="requests in flight, closed loop (default: 1,4,8,16)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=8,
+        help="prompts per domain; a cell at concurrency c uses max(limit, c) (8)",
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (64)")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=256,
+        help="keep the last this many tokens of each prompt (256)",
+    )
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"vLLM methods (see above; default: {DEFAULT_METHODS}); '' for none",
+    )
+    p.add_argument("--no-engine", action="store_true", help="skip our engine's rows")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of our engine (1: what vLLM's CPU worker uses here)",
+    )
+    p.add_argument("--out", type=Path, default=Path("out/bench_vllm"), help="results directory")
+    args = p.parse_args(argv)
+    if min(args.repeats, args.limit, args.max_tokens, args.prompt_tokens, args.threads) < 1:
+        p.error("--repeats, --limit, --max-tokens, --prompt-tokens and --threads must be >= 1")
+    if min(args.concurrency) < 1:
+        p.error("--concurrency must be >= 1")
+    try:
+        args.domain_list = check_domains(args.domains)
+    except ValueError as exc:
+        p.error(f"--domains: {exc}")
+    try:
+        args.method_list = parse_methods(args.methods) if args.methods.strip() else []
+    except ValueError as exc:
+        p.error(f"--methods: {exc}")
+    if not args.method_list and args.no_engine:
+        p.error("nothing to run: no --methods and --no-engine")
+    return args
+
+
+def _metric(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_./ -]+", "_", name)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.method_list:
+        vllm_python()  # no vLLM environment: say so before loading anything
+    with torch_threads(args.threads):
+        result = bench_vllm(
+            args.target,
+            args.draft,
+            args.domain_list,
+            args.temperatures,
+            args.concurrency,
+            args.repeats,
+            args.limit,
+            args.max_tokens,
+            args.prompt_tokens,
+            args.method_list,
+            not args.no_engine,
+            args.out,
+            (args.device, args.dtype, args.experts_implementation),
+            progress=lambda line: print(line, flush=True),
+        )
+    summary = result["summary"]
+    params = {k: str(v) for k, v in vars(args).items() if k not in ("method_list", "domain_list")}
+    with tracked_run("bench_vllm", params=params) as tracked:
+        metrics = {}
+        for cell in summary["cells"]:
+            at = f"{cell['domain']}.T{cell['temperature']:g}.c{cell['concurrency']}"
+            for label, row in cell["methods"].items():
+                metrics[_metric(f"{at}.{label}.tok_s")] = row["tok_s"]
+                if row["vs_none"] is not None:
+                    metrics[_metric(f"{at}.{label}.vs_none")] = row["vs_none"]
+        for label, row in summary["pooled"].items():
+            metrics[_metric(f"pooled.T0.c1.{label}.tok_s")] = row["tok_s"]
+        tracked.log_metrics(metrics)
+        tracked.log_text(result["text"], "bench_vllm.txt")
+        tracked.log_text(json.dumps(summary, indent=1), "summary.json")
+        run_id = tracked.run_id
+    print(result["text"])
+    print(f"\nresults in {args.out}; MLflow run {run_id} at {tracking_uri()}")
+    return result
+
+
+if __name__ == "__main__":  # vLLM's engine processes are spawned: the guard is required
+    run(main)

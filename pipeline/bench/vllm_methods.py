@@ -1,0 +1,143 @@
+"""The vLLM benchmark's methods (jobs.bench_vllm --methods): 'name:knob=value:...' items
+parsed, checked and expanded (k=A..B: one method per K) before any engine starts, and each
+turned into run_cells' method entry (vLLM's speculative_config, the engine's env)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+PROPOSER_CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
+# Knobs each method takes; any other knob of `ours` is a proposer setting (SPECBOUND_PROPOSER).
+METHOD_KNOBS: dict[str, set[str]] = {
+    "none": set(),
+    "draft_model": {"k", "schedule", "draft_sample_method"},
+    "ngram": {"k", "min", "max"},
+    "suffix": {"k"},
+    "ours": {"k"},
+}
+# k=1..6 expands to one method per K. ngram leaves prompt_lookup_min/max unset: vLLM then
+# uses 5..5. The schedule is (first batch size: K) ranges, each to the next one's start.
+DEFAULT_METHODS = (
+    "none,draft_model:k=1..6,ngram:k=4,suffix,draft_model:k=4:schedule=1:4/4:3/8:2/16:1,ours:k=6"
+)
+
+
+@dataclass
+class Method:
+    label: str
+    name: str
+    knobs: dict = field(default_factory=dict)
+
+    def entry(self, draft: str) -> dict:
+        """The run_cells method entry: speculative_config, engine env, proposer stats."""
+        k, knobs = self.knobs.get("k"), self.knobs
+        if self.name == "none":
+            return {"name": self.label, "speculative_config": None}
+        config: dict = {"method": self.name}
+        if k is not None:
+            config["num_speculative_tokens"] = int(k)
+        entry: dict = {"name": self.label, "speculative_config": config}
+        if self.name == "draft_model":
+            config["model"] = draft
+            if "draft_sample_method" in knobs:
+                config["draft_sample_method"] = knobs["draft_sample_method"]
+            if "schedule" in knobs:
+                config["num_speculative_tokens_per_batch_size"] = parse_schedule(knobs["schedule"])
+        elif self.name == "ngram":
+            config.update(
+                {f"prompt_lookup_{b}": int(knobs[b]) for b in ("min", "max") if b in knobs}
+            )
+        elif self.name == "ours":
+            config.update(method="custom_class", model=PROPOSER_CLASS)
+            settings = {key: v for key, v in knobs.items() if key != "k"}
+            entry["env"] = {"SPECBOUND_PROPOSER": json.dumps(settings)}
+            entry["proposer_stats"] = True
+        return entry
+
+
+def parse_schedule(text: str) -> list[list[int]]:
+    """'1:4/4:3/8:2' -> [[1, 3, 4], [4, 7, 3], [8, 1_000_000, 2]]: vLLM's inclusive
+    (range_start, range_end, K) ranges, the first from batch size 1."""
+    try:
+        pairs = [tuple(int(x) for x in part.split(":")) for part in text.split("/")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or p[0] < 1 or p[1] < 0 for p in pairs):
+        raise ValueError(f"schedule {text!r}: expected start:K/start:K/..., e.g. 1:4/4:3/8:2")
+    starts = [p[0] for p in pairs]
+    if starts[0] != 1 or starts != sorted(set(starts)):
+        raise ValueError(f"schedule {text!r}: batch-size starts must rise from 1")
+    ends = [s - 1 for s in starts[1:]] + [1_000_000]
+    return [[s, e, k] for (s, k), e in zip(pairs, ends, strict=True)]
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_methods(text: str) -> list[Method]:
+    """'none,draft_model:k=1..3,ours:k=6:temperature=1' -> Methods; k=A..B expands."""
+    out: list[Method] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, rest = item.partition(":")
+        if name not in METHOD_KNOBS:
+            raise ValueError(f"unknown method {name!r}; choose among {', '.join(METHOD_KNOBS)}")
+        knobs: dict = {}
+        last = None
+        for pair in rest.split(":") if rest else []:
+            key, sep, value = pair.partition("=")
+            if not sep and last == "schedule":  # a schedule's own ':' (start:K) rejoined
+                knobs["schedule"] += ":" + pair
+                continue
+            if not sep or not key:
+                raise ValueError(f"method {item!r}: knobs are name=value, got {pair!r}")
+            if key in knobs:
+                raise ValueError(f"method {item!r}: knob {key!r} given twice")
+            knobs[key], last = value, key
+        out += _expand(name, knobs, item)
+    if not out:
+        raise ValueError("no methods given")
+    labels = [m.label for m in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a method is given twice: {labels}")
+    return out
+
+
+def _expand(name: str, knobs: dict, item: str) -> list[Method]:
+    if name != "ours":
+        bad = set(knobs) - METHOD_KNOBS[name]
+        if bad:
+            raise ValueError(
+                f"method {item!r}: unknown knobs {sorted(bad)} (takes "
+                f"{', '.join(sorted(METHOD_KNOBS[name])) or 'none'})"
+            )
+    k = knobs.get("k")
+    if name in ("draft_model", "ours", "ngram") and k is None:
+        raise ValueError(f"method {item!r} needs k=<draft tokens> (or k=A..B)")
+    ks = [None]
+    if k is not None:
+        lo, sep, hi = k.partition("..")
+        try:
+            ks = list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+        except ValueError:
+            raise ValueError(f"method {item!r}: k must be an int or A..B, got {k!r}") from None
+        if not ks or min(ks) < 1:
+            raise ValueError(f"method {item!r}: k must be >= 1, got {k!r}")
+    if "schedule" in knobs:
+        parse_schedule(knobs["schedule"])
+    out = []
+    for kk in ks:
+        values = {key: _value(v) for key, v in knobs.items() if key not in ("k", "schedule")}
+        if "schedule" in knobs:
+            values["schedule"] = knobs["schedule"]
+        if kk is not None:
+            values = {"k": kk, **values}
+        label = name + "".join(f":{key}={v}" for key, v in values.items())
+        out.append(Method(label, name, values))
+    return out

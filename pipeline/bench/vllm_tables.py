@@ -1,0 +1,207 @@
+"""The vLLM benchmark's tables (pipeline.bench.vllm): per (domain, T, c) cell every method's
+output tokens/s (median over repeats and its min-max), its ratio to vLLM without speculation,
+ours against the best fixed-K draft model of that cell, TPOT, mean accepted length and the
+proposer's share of each engine step; the pooled c = 1, T = 0 figure; T = 0 texts against
+vLLM's own greedy text and our engine's `ar`."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+BASE = "none"
+ENGINE_AR = "engine ar"
+
+
+def _key(cell: dict) -> tuple[str, float, int]:
+    return cell["domain"], float(cell["temperature"]), int(cell["concurrency"])
+
+
+def _by_cell(runs: list[dict]) -> dict[tuple, dict[str, list[dict]]]:
+    """cell key -> method -> that cell's result in each repeat (repeat order)."""
+    out: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for run in sorted(runs, key=lambda r: r["repeat"]):
+        for cell in run.get("cells") or []:
+            if cell is not None:
+                out[_key(cell)][run["method"]].append(cell)
+    return out
+
+
+def _med(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _proposer(results: list[dict]) -> dict | None:
+    """Proposer time per step, summed over repeats: propose (and decide) per call, and their
+    share of a whole engine step (step_s over the steps it timed)."""
+    stats = [r["proposer"] for r in results if r.get("proposer")]
+    if not stats:
+        return None
+    tot = {k: sum(s.get(k, 0.0) for s in stats) for k in stats[0]}
+    calls, steps = tot.get("calls", 0.0), tot.get("steps_timed", tot.get("calls", 0.0))
+    if not calls:
+        return None
+    step = tot.get("step_s", 0.0) / steps if steps else None
+    per = {k: tot.get(k, 0.0) / calls for k in ("propose_s", "draft_s", "decide_s")}
+    return {
+        "propose_ms": per["propose_s"] * 1e3,
+        "draft_ms": per["draft_s"] * 1e3,
+        "decide_ms": per["decide_s"] * 1e3,
+        "step_ms": step * 1e3 if step else None,
+        "propose_share": per["propose_s"] / step if step else None,
+        "decide_share": per["decide_s"] / step if step else None,
+        "drafted_per_call": tot.get("drafted", 0.0) / calls,
+    }
+
+
+def is_fixed_draft(label: str) -> bool:
+    return label.startswith("draft_model:") and "schedule" not in label
+
+
+def summarize(runs: list[dict]) -> dict:
+    """{"cells": [{domain, temperature, concurrency, methods: {label: row}, best_draft,
+    best_engine_fixed}], "pooled": {label: row}, "texts": {label: counts}, "errors": {...}}."""
+    cells = []
+    for key, methods in sorted(_by_cell(runs).items()):
+        rows = {}
+        for label, results in methods.items():
+            tok_s = [r["tok_s"] for r in results]
+            rows[label] = {
+                "tok_s": _med(tok_s),
+                "min": min(tok_s),
+                "max": max(tok_s),
+                "per_repeat": tok_s,
+                "tpot_ms": _ms(_med([r.get("tpot_s") for r in results])),
+                "ttft_ms": _ms(_med([r.get("ttft_s") for r in results])),
+                "accepted_len": _med([r.get("mean_accepted_len") for r in results]),
+                "proposer": _proposer(results),
+            }
+        base = rows.get(BASE, {}).get("tok_s")
+        best = _best(rows, is_fixed_draft)
+        best_engine = _best(rows, lambda m: m.startswith("engine fixed"))
+        for row in rows.values():
+            row["vs_none"] = row["tok_s"] / base if base else None
+            row["vs_best_draft"] = row["tok_s"] / rows[best]["tok_s"] if best else None
+        cells.append(
+            {
+                "domain": key[0],
+                "temperature": key[1],
+                "concurrency": key[2],
+                "methods": rows,
+                "best_draft": best,
+                "best_engine_fixed": best_engine,
+            }
+        )
+    errors: dict[str, str] = {}
+    for run in runs:  # the first error of each method (later repeats only say it failed)
+        if run.get("error"):
+            errors.setdefault(run["method"], run["error"])
+    return {"cells": cells, "pooled": pooled(runs), "texts": texts(runs), "errors": errors}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _best(rows: dict, which) -> str | None:
+    chosen = [m for m in rows if which(m) and rows[m]["tok_s"]]
+    return max(chosen, key=lambda m: rows[m]["tok_s"]) if chosen else None
+
+
+def pooled(runs: list[dict], concurrency: int = 1, temperature: float = 0.0) -> dict:
+    """Per method, over every domain at (c, T): sum of tokens / sum of wall time in each
+    repeat, the median and range over repeats."""
+    per: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for run in runs:
+        for cell in run.get("cells") or []:
+            if cell and _key(cell)[1:] == (temperature, concurrency):
+                acc = per[run["method"]][run["repeat"]]
+                acc[0] += cell["tokens"]
+                acc[1] += cell["wall_s"]
+    out = {}
+    for label, reps in per.items():
+        rates = [t / s for t, s in reps.values() if s > 0]
+        out[label] = {"tok_s": _med(rates), "min": min(rates), "max": max(rates)}
+    base = out.get(BASE, {}).get("tok_s")
+    for row in out.values():
+        row["vs_none"] = row["tok_s"] / base if base else None
+    return out
+
+
+def texts(runs: list[dict]) -> dict:
+    """At T = 0, first repeat: each method's tokens against vLLM `none` and our `ar`,
+    position by position (equal / total) and whole sequences."""
+    first = [r for r in runs if r["repeat"] == 0]
+    outputs = {
+        r["method"]: {
+            _key(c): c["outputs"]
+            for c in r.get("cells") or []
+            if c and float(c["temperature"]) == 0
+        }
+        for r in first
+    }
+    out = {}
+    for label, cells in outputs.items():
+        if not cells:  # a method that did not run
+            continue
+        row = {}
+        for ref in (BASE, ENGINE_AR):
+            if ref not in outputs or ref == label:
+                continue
+            eq = tot = seq_eq = seqs = 0
+            for key, outs in cells.items():
+                for a, b in zip(outs, outputs[ref].get(key, []), strict=False):
+                    eq += sum(x == y for x, y in zip(a, b, strict=False))
+                    tot += max(len(a), len(b))
+                    seq_eq += a == b
+                    seqs += 1
+            row[ref] = {"equal": eq, "total": tot, "seq_equal": seq_eq, "seqs": seqs}
+        out[label] = row
+    return out
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_tables(summary: dict, header: str) -> str:
+    lines = [header, ""]
+    head = (
+        f"  {'method':<42}{'tok/s':>8} {'min-max':>13}{'x none':>8}{'x best K':>9}"
+        f"{'TPOT ms':>9}{'acc len':>8}{'prop ms':>8}{'share':>7}{'decide':>7}"
+    )
+    for cell in summary["cells"]:
+        lines += [
+            f"{cell['domain']}  T={cell['temperature']:g}  c={cell['concurrency']}  "
+            f"(best draft_model K: {cell['best_draft'] or '-'}; best engine fixed K: "
+            f"{cell['best_engine_fixed'] or '-'})",
+            head,
+        ]
+        for label, r in cell["methods"].items():
+            p = r["proposer"] or {}
+            lines.append(
+                f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"
+                f"{_f(r['vs_none'], '.3f'):>8}{_f(r['vs_best_draft'], '.3f'):>9}"
+                f"{_f(r['tpot_ms'], '.2f'):>9}{_f(r['accepted_len'], '.2f'):>8}"
+                f"{_f(p.get('propose_ms'), '.2f'):>8}{_f(p.get('propose_share'), '.1%'):>7}"
+                f"{_f(p.get('decide_share'), '.1%'):>7}"
+            )
+        lines.append("")
+    lines.append("pooled over domains at c=1, T=0 (sum tokens / sum time, median over repeats)")
+    for label, r in summary["pooled"].items():
+        lines.append(
+            f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"
+            f"{_f(r['vs_none'], '.3f'):>8}"
+        )
+    lines += ["", "T=0 texts, first repeat: tokens equal / total (whole sequences equal)"]
+    for label, row in summary["texts"].items():
+        parts = [
+            f"vs {ref}: {c['equal']}/{c['total']} ({c['seq_equal']}/{c['seqs']} seqs)"
+            for ref, c in row.items()
+        ]
+        lines.append(f"  {label:<42}" + ("   ".join(parts) or "-"))
+    if summary["errors"]:
+        lines += ["", "methods that failed:"]
+        lines += [f"  {m}: {e[:400]}" for m, e in summary["errors"].items()]
+    return "\n".join(lines)

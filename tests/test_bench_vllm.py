@@ -1,0 +1,122 @@
+"""jobs.bench_vllm end to end at tiny size (vLLM's CPU engine in its own environment, then our
+engine), and its argument checks, which must fail before any engine starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.models.loading import REPO_ROOT
+from pipeline.vllm_spec.env import vllm_python
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.bench_vllm", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--methods", "none,eagle:k=2"], "--methods: unknown method 'eagle'"),
+        (["--methods", "draft_model"], "needs k="),
+        (["--methods", "draft_model:k=2:depth=3"], "unknown knobs ['depth']"),
+        (["--domains", "code,poetry"], "--domains: unknown domains ['poetry']"),
+        (["--concurrency", "0"], "--concurrency must be >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2_before_any_engine(args, message, tmp_path):
+    out = tmp_path / "out"
+    proc = _run([*args, "--out", str(out)], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()  # nothing ran: no prompts, no spec, no engine
+
+
+def test_bench_vllm_smoke(tmp_path):
+    try:
+        vllm_python()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no vLLM environment: {exc}")
+    out = tmp_path / "out"
+    proc = _run(
+        [
+            "--domains",
+            "code",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "8",
+            "--concurrency",
+            "1,2",
+            "--temperatures",
+            "0",
+            "--repeats",
+            "1",
+            "--methods",
+            "none,draft_model:k=2",
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "repeat 1/1  draft_model:k=2: starting vLLM" in proc.stdout  # progress passed on
+    tables = (out / "tables.txt").read_text()
+    for text in (
+        "code  T=0  c=1",
+        "code  T=0  c=2",
+        "best draft_model K: draft_model:k=2",
+        "engine throughput",
+        "pooled over domains at c=1, T=0",
+        "T=0 texts",
+    ):
+        assert text in tables, text
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(c["domain"], c["temperature"], c["concurrency"]) for c in summary["cells"]] == [
+        ("code", 0.0, 1),
+        ("code", 0.0, 2),
+    ]
+    for cell in summary["cells"]:
+        methods = cell["methods"]
+        expected = {"none", "draft_model:k=2", "engine ar", "engine throughput"}
+        assert expected | {f"engine fixed:k={k}" for k in range(1, 7)} <= methods.keys()
+        assert all(row["tok_s"] > 0 for row in methods.values())
+        assert methods["none"]["vs_none"] == pytest.approx(1.0)
+        assert methods["draft_model:k=2"]["accepted_len"] >= 1.0
+        assert methods["none"]["accepted_len"] is None  # no speculation, no drafts
+        assert cell["best_engine_fixed"].startswith("engine fixed:k=")
+    assert summary["errors"] == {}
+    # Greedy speculative decoding is lossless: vLLM's draft model repeats vLLM's own text.
+    same = summary["texts"]["draft_model:k=2"]["none"]
+    assert same["total"] == 2 * 2 * 8 and same["equal"] == same["total"]
+    assert summary["texts"]["none"]["engine ar"]["total"] == 2 * 2 * 8
+
+    raw = json.loads((out / "raw.json").read_text())
+    vllm_runs = [r for r in raw["runs"] if not r["method"].startswith("engine")]
+    assert [r["method"] for r in vllm_runs] == ["none", "draft_model:k=2"]
+    for run in raw["runs"]:
+        assert all(len(o) == 8 for c in run["cells"] for o in c["outputs"])  # ignore_eos
+        assert [len(c["outputs"]) for c in run["cells"]] == [2, 2]  # max(limit, c) prompts
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("bench_vllm")
+    metrics = client.search_runs([exp.experiment_id])[0].data.metrics
+    assert metrics["code.T0.c1.none.vs_none"] == pytest.approx(1.0)
+    assert "pooled.T0.c1.draft_model_k_2.tok_s" in metrics

@@ -1,0 +1,118 @@
+"""Scenarios for tests/test_vllm_proposer.py, run in the vLLM environment (one process, a few
+engines): python tests/vllm_scenarios.py OUT.json. vLLM spawns its engine: __main__ guard."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "models", "target")
+CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
+TEXTS = [
+    "def fibonacci(n):\n",
+    "import numpy as np\n\ndef normalize(x):\n    ",
+    "The history of the city begins in",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+    "Question: what is 12 + 30?\nAnswer:",
+    'def is_prime(n: int) -> bool:\n    """Return True if n is prime."""\n',
+    "Once upon a time",
+    "for i in range(10):\n",
+]
+
+
+def engine(spec: dict | None, env: dict | None = None, max_model_len: int = 512, **kw):
+    from vllm import LLM
+
+    for key in ("SPECBOUND_PROPOSER", "SPECBOUND_PROPOSER_STATS"):
+        os.environ.pop(key, None)
+    os.environ.update(env or {})
+    return LLM(
+        model=TARGET,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_seqs=8,
+        seed=0,
+        speculative_config=spec,
+        disable_log_stats=False,
+        **kw,
+    )
+
+
+def ids(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main(out_path: str) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from pipeline.vllm_spec.stats import read_stats
+
+    result: dict = {}
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    # Requests that end mid-generation at different steps: their rows leave the batch.
+    short = [SamplingParams(temperature=0, max_tokens=8 + 6 * i) for i in range(len(TEXTS))]
+    seeded = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32, ignore_eos=True)
+        for i in range(4)
+    ]
+
+    llm = engine(None)
+    tok = llm.get_tokenizer()
+    prompts = [
+        TokensPrompt(prompt_token_ids=tok(t, add_special_tokens=False)["input_ids"]) for t in TEXTS
+    ]
+    result["plain_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
+    result["plain_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
+    result["plain_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
+    result["plain_seeded"] = ids(llm.generate(prompts[:4], seeded, use_tqdm=False))
+    del llm
+
+    stats = os.path.join(os.path.dirname(out_path), "stats.bin")
+    spec = {"method": "custom_class", "model": CLASS, "num_speculative_tokens": 4}
+    llm = engine(spec, {"SPECBOUND_PROPOSER_STATS": stats})
+    result["ours_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
+    result["ours_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
+    result["ours_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
+    # The same prompts in another order: the states are found by their tokens.
+    result["ours_reversed"] = ids(llm.generate(prompts[::-1], greedy, use_tqdm=False))[::-1]
+    result["ours_seeded"] = [
+        ids(llm.generate(prompts[:4], seeded, use_tqdm=False)) for _ in range(2)
+    ]
+    result["ours_stats"] = read_stats(stats)
+    del llm
+
+    # A KV cache too small for the batch: vLLM preempts requests and recomputes them later.
+    llm = engine(spec, num_gpu_blocks_override=6, block_size=32, max_model_len=160)
+    long = SamplingParams(temperature=0, max_tokens=96)
+    result["preempted"] = ids(llm.generate(prompts, long, use_tqdm=False))
+    result["preemptions"] = sum(
+        m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:num_preemptions" and hasattr(m, "value")
+    )
+    del llm
+    llm = engine(None, num_gpu_blocks_override=6, block_size=32, max_model_len=160)
+    result["preempted_plain"] = ids(llm.generate(prompts, long, use_tqdm=False))
+    del llm
+
+    # A bad artifact is refused when the engine builds the proposer.
+    bad = {"SPECBOUND_PROPOSER": json.dumps({"costmodel": "/nonexistent/vllm_costmodel.json"})}
+    start = time.perf_counter()
+    try:
+        engine(spec, bad)
+        result["bad_artifact"] = "started"
+    except Exception as exc:  # noqa: BLE001 - what vLLM raises is the test's subject
+        result["bad_artifact"] = f"{type(exc).__name__}: {exc}"
+    result["bad_artifact_s"] = time.perf_counter() - start
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main(sys.argv[1])
