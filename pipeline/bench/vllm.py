@@ -80,9 +80,10 @@ def max_model_len(cells: list[dict], methods: list[Method]) -> int:
     return -(-need // 64) * 64
 
 
-def run_vllm(spec: dict, out: Path, progress=print) -> dict:
+def run_vllm(spec: dict, out: Path, progress=print, extra_env: dict | None = None) -> dict:
     """run_cells in the vLLM environment; its whole log in out/vllm.log, its progress lines
-    passed on. The results file it rewrites as it goes is read even after a crash."""
+    passed on. The results file it rewrites as it goes is read even after a crash.
+    ``extra_env``: set for the engine only (e.g. LD_PRELOAD of Intel OpenMP)."""
     out.mkdir(parents=True, exist_ok=True)
     spec_path, results_path = out / "vllm_spec.json", out / "vllm_results.json"
     spec_path.write_text(json.dumps(spec))
@@ -96,7 +97,7 @@ def run_vllm(spec: dict, out: Path, progress=print) -> dict:
         "--out",
         str(results_path.resolve()),
     ]
-    env = engine_env({"SPECBOUND_PROGRESS_PREFIX": PROGRESS})
+    env = engine_env({"SPECBOUND_PROGRESS_PREFIX": PROGRESS, **(extra_env or {})})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(out / "vllm.log", "w") as log:
         proc = subprocess.Popen(
@@ -152,6 +153,7 @@ def bench_vllm(
     out: Path,
     model_args: tuple = ("cpu", "float32", "eager"),
     progress=print,
+    extra_env: dict | None = None,
 ) -> dict:
     """The whole benchmark: prompts, vLLM's methods (a subprocess), our engine's rows, the
     tables; raw results, summary and tables written under ``out``."""
@@ -177,7 +179,7 @@ def bench_vllm(
             "cells": cells,
         }
         progress(f"vLLM: {len(methods)} methods, log in {out / 'vllm.log'}")
-        runs += run_vllm(spec, out, progress)["runs"]
+        runs += run_vllm(spec, out, progress, extra_env)["runs"]
     if engine:
         from pipeline.bench.vllm_engine import engine_runs
         from pipeline.decode.policies.artifacts import load_artifacts

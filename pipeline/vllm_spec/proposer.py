@@ -29,7 +29,7 @@ proposed at any temperature, and lossless sampling is vLLM's own.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import json
 import random
 import time
@@ -48,6 +48,11 @@ from pipeline.vllm_spec.stats import ENV as STATS_ENV
 from pipeline.vllm_spec.stats import StatsFile
 
 MAX_OFFSET = 3.0  # the online logit correction stays within this
+# A new request starts from what the engine's recent requests showed (recent acceptance and
+# the logit correction, slow averages over every judged token), not from the offline prior:
+# the same engine serves one workload, and what it accepts there (at T > 0 on vLLM's CPU
+# build: almost nothing) is known before a new request has a single outcome of its own.
+ENGINE_DECAY = 0.98
 FLUSH_EVERY = 20  # step records written to the record file in batches (calibration)
 
 
@@ -81,6 +86,8 @@ class CostAwareProposer:
         self.stats = StatsFile(os.environ.get(STATS_ENV) or None)
         self.rng = random.Random(self.config.seed)
         self.router: RouterUnion | None = None
+        self._engine_recent: float | None = None
+        self._engine_offset = 0.0
         self._last_end: float | None = None
         self._pending: dict[str, Any] | None = None  # what the next step's pass verifies
         self._records: list[dict[str, Any]] = []
@@ -91,6 +98,7 @@ class CostAwareProposer:
         experts every step's pass routes to."""
         if self.config.record and target is not None:
             self.router = RouterUnion.attach(target, self.target_path)
+            atexit.register(self.flush)
 
     def propose(
         self,
@@ -156,20 +164,25 @@ class CostAwareProposer:
                 # Not the text this state committed: another request sharing its prefix, or
                 # this one recomputed. Its cache prefix is kept; what was learned is not.
                 state.index = type(state.index)()
-                state.recent, state.offset, state.plain_run = None, 0.0, 0
+                state.recent, state.offset, state.plain_run = None, None, 0
                 state.proposed, state.predicted = [], []
             if state.proposed and keep >= state.proposed_at:
                 accepted = state.outcome(text)
                 if accepted is not None:
                     judged = min(len(state.proposed), accepted + 1)
-                    recent = self._recent(state)
+                    recent, offset = self._recent(state), self._offset(state)
+                    engine = recent if self._engine_recent is None else self._engine_recent
                     for j in range(judged):
                         hit = float(j < accepted)
                         recent = self.decay * recent + (1 - self.decay) * hit
+                        engine = ENGINE_DECAY * engine + (1 - ENGINE_DECAY) * hit
                         if j < len(state.predicted):
-                            state.offset += self.config.adapt * (hit - state.predicted[j])
-                    state.offset = max(-MAX_OFFSET, min(MAX_OFFSET, state.offset))
-                    state.recent = recent
+                            offset += self.config.adapt * (hit - state.predicted[j])
+                    state.offset = max(-MAX_OFFSET, min(MAX_OFFSET, offset))
+                    state.recent, self._engine_recent = recent, engine
+                    self._engine_offset = (
+                        ENGINE_DECAY * self._engine_offset + (1 - ENGINE_DECAY) * state.offset
+                    )
                     verified += 1
                     accepted_total += accepted
             state.proposed, state.predicted = [], []
@@ -178,7 +191,12 @@ class CostAwareProposer:
     def _recent(self, state: DraftState) -> float:
         if state.recent is not None:
             return state.recent
+        if self._engine_recent is not None:
+            return self._engine_recent
         return self.mode.prior if self.mode is not None else 0.5
+
+    def _offset(self, state: DraftState) -> float:
+        return self._engine_offset if state.offset is None else state.offset
 
     def _lengths_before_look(self, matched, texts, caps) -> list[int]:
         """Which rows look at their next distribution: those the plan at expected acceptance
@@ -250,7 +268,7 @@ class CostAwareProposer:
             tail = texts[r][-(MAX_MATCH - 1) :].tolist()
             stats = position_stats(probs[i], state.index, tail)
             a_now, later = self.mode.chain_view(
-                stats, self._recent(state), hidden[i], caps[r] - 1, self.decay, state.offset
+                stats, self._recent(state), hidden[i], caps[r] - 1, self.decay, self._offset(state)
             )
             accs[r] = [a_now, *later][: caps[r]]
             state.predicted = accs[r]
@@ -279,7 +297,3 @@ class CostAwareProposer:
             for rec in self._records:
                 f.write(json.dumps(rec) + "\n")
         self._records = []
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown: nobody to report to
-            self.flush()

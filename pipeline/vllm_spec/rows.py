@@ -27,7 +27,7 @@ class DraftState:
     cached: np.ndarray  # the tokens in that block, in order (its length is the cache's)
     index: NgramIndex = field(default_factory=NgramIndex)  # the committed text's n-grams
     recent: float | None = None  # moving average of acceptance outcomes
-    offset: float = 0.0  # the acceptance model's logit correction for this request
+    offset: float | None = None  # the acceptance model's logit correction for this request
     proposed: list[int] = field(default_factory=list)  # the last proposal
     proposed_at: int = -1  # committed length when it was made
     predicted: list[float] = field(default_factory=list)  # its tokens' modelled acceptance
