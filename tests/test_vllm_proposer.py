@@ -16,7 +16,7 @@ from pipeline.cost.batch import BatchCost
 from pipeline.decode.batch_economy import plan_lengths
 from pipeline.vllm_spec import config as pconfig
 from pipeline.vllm_spec.contract import VllmProposer
-from pipeline.vllm_spec.env import DEFAULT_VENV, engine_env, vllm_python
+from pipeline.vllm_spec.env import engine_env, vllm_python
 from pipeline.vllm_spec.rows import StateTable
 from pipeline.vllm_spec.step_fit import fit_step_cost
 
@@ -244,4 +244,3 @@ def test_proposer_logic_without_an_engine(monkeypatch):
         for _ in range(3):
             ids.append(int(draft(torch.tensor([ids])).logits[0, -1].argmax()))
     assert first[0] == ids[5:]
-    assert DEFAULT_VENV.name == ".venv-vllm"
