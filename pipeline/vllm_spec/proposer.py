@@ -201,7 +201,6 @@ class CostAwareProposer:
     def _lengths_before_look(self, matched, texts, caps) -> list[int]:
         """Which rows look at their next distribution: those the plan at expected acceptance
         gives a chain, and those due a probe (design "policy"); every row otherwise."""
-        n = len(texts)
         if self.config.design == "fixed":
             return caps
         if self.config.design == "random":
@@ -213,7 +212,7 @@ class CostAwareProposer:
             accs.append([sum(spread) / len(spread)] * cap)
         ks, _ = plan_lengths(self.cost, accs, [len(t) for t in texts], self.k)
         probe = [state.plain_run >= self.config.probe_every for state, _ in matched]
-        return [max(k, int(p and cap > 0)) for k, p, cap in zip(ks, probe, caps, strict=True)][:n]
+        return [max(k, int(p and cap > 0)) for k, p, cap in zip(ks, probe, caps, strict=True)]
 
     def _draft(self, matched, texts, caps) -> list[list[int]]:
         looks = self._lengths_before_look(matched, texts, caps)
@@ -254,7 +253,6 @@ class CostAwareProposer:
         keep = min(keep, len(text) - 1)
         self.draft.cut(state.slot, keep)
         state.index.extend(text[len(state.index.tokens) :].tolist())
-        state.cached = text
         return state.slot, text[keep:].tolist()
 
     def _plan(self, matched, texts, caps, active, logits, hidden) -> list[int]:
