@@ -29,16 +29,24 @@ from pipeline.tracking import tracked_run
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.acceptance_ceiling", __doc__)
     add_model_args(p)
-    p.add_argument("--artifacts", type=Path, default=REPO_ROOT / "models", metavar="DIR",
-                   help="the pair's costmodel.json and acceptance.json (its expert unions by "
-                        "m) (models/)")  # fmt: skip
+    p.add_argument(
+        "--artifacts",
+        type=Path,
+        default=REPO_ROOT / "models",
+        metavar="DIR",
+        help="the pair's costmodel.json and acceptance.json (its expert unions by m) (models/)",
+    )
     p.add_argument("--limit", type=int, default=8, help="prompts per domain, the bench's (8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (64)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
     p.add_argument("--max-k", type=int, default=12, help="longest chain (12)")
     p.add_argument("--fixed", default="1,2,3,4,5,6,8", help="fixed K compared (1,2,3,4,5,6,8)")
-    p.add_argument("--traces", type=Path, default=None,
-                   help="an .npz to save the traces to, or to read when it exists")  # fmt: skip
+    p.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        help="an .npz to save the traces to, or to read when it exists",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     args = p.parse_args(argv)
     try:
@@ -70,21 +78,29 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
         traces, _, _ = load_traces(args.traces)
         print(f"{len(traces)} traces read from {args.traces}", flush=True)
     else:
-        print(f"tracing {len(flat)} prompts x T in {args.temperatures}, {args.max_new_tokens} "
-              "tokens each", flush=True)  # fmt: skip
+        print(
+            f"tracing {len(flat)} prompts x T in {args.temperatures}, {args.max_new_tokens} "
+            "tokens each",
+            flush=True,
+        )
         with torch_threads(args.threads):
             traces, unions = collect_traces(
-                pair, flat, args.temperatures, args.max_new_tokens, 1,
+                pair,
+                flat,
+                args.temperatures,
+                args.max_new_tokens,
+                1,
                 log=lambda line: print(line, flush=True),
-            )  # fmt: skip
+            )
         if args.traces is not None:
             save_traces(args.traces, traces, unions, {"prompts": [p.prompt_id for p in flat]})
     context = {p.prompt_id: len(prompt_ids(pair, p)) for p in flat}
 
     def step_for(prompt_id: str):
         def step(k: int, t: int) -> float:
-            return cost.t_draft(k) + cost.t_target(k + 1, acceptance.union(k + 1),
-                                                   context[prompt_id] + t)  # fmt: skip
+            return cost.t_draft(k) + cost.t_target(
+                k + 1, acceptance.union(k + 1), context[prompt_id] + t
+            )
 
         return step
 
@@ -95,16 +111,28 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
             ids = {p.prompt_id for p in chosen}
             mine = [t for t in traces if t.temperature == temp and t.prompt_id in ids]
             if not mine:
-                raise ValueError(f"no traces of {name} at T={temp:g} in {args.traces}: remove "
-                                 "the file to trace again")  # fmt: skip
-            res = ceiling([t.labels for t in mine], lambda i, mine=mine: step_for(
-                mine[i].prompt_id), args.max_k, args.fixed)  # fmt: skip
+                raise ValueError(
+                    f"no traces of {name} at T={temp:g} in {args.traces}: remove "
+                    "the file to trace again"
+                )
+            res = ceiling(
+                [t.labels for t in mine],
+                lambda i, mine=mine: step_for(mine[i].prompt_id),
+                args.max_k,
+                args.fixed,
+            )
             results[(name, temp)] = res
-            print(f"{name:6s}  {temp:<4g} {res.best_k:>12d}  {res.gain_over_best_fixed:>22.3f}x"
-                  f"  {res.speedup_over_ar:>14.3f}x")  # fmt: skip
+            print(
+                f"{name:6s}  {temp:<4g} {res.best_k:>12d}  {res.gain_over_best_fixed:>22.3f}x"
+                f"  {res.speedup_over_ar:>14.3f}x"
+            )
     with tracked_run("acceptance_ceiling", params={k: str(v) for k, v in vars(args).items()}) as t:
-        t.log_metrics({f"{n}_T{temp:g}_ceiling_over_best_fixed": r.gain_over_best_fixed
-                       for (n, temp), r in results.items()})  # fmt: skip
+        t.log_metrics(
+            {
+                f"{n}_T{temp:g}_ceiling_over_best_fixed": r.gain_over_best_fixed
+                for (n, temp), r in results.items()
+            }
+        )
     return results
 
 

@@ -40,10 +40,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
     p.add_argument("--limit", type=int, default=16, help="prompts (16)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
-    p.add_argument("--prompt-tokens", type=int, default=256,
-                   help="keep the last this many tokens of each prompt (256)")  # fmt: skip
-    p.add_argument("--batch-sizes", type=parse_ks, default=parse_ks("8"),
-                   help="generations decoded at once (8)")  # fmt: skip
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=256,
+        help="keep the last this many tokens of each prompt (256)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=parse_ks,
+        default=parse_ks("8"),
+        help="generations decoded at once (8)",
+    )
     p.add_argument(
         "--policies",
         default=DEFAULT_SPECS,
@@ -67,16 +75,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with torch_threads(args.threads):
-        pair = load_pair(args.target, args.draft, args.device, args.dtype,
-                         args.experts_implementation)  # fmt: skip
+        pair = load_pair(
+            args.target, args.draft, args.device, args.dtype, args.experts_implementation
+        )
         artifacts = load_artifacts(device=str(pair.device))
-        prompts = [encode(pair.tokenizer, p.text, keep_last=args.prompt_tokens)
-                   for p in load_prompts(args.source, args.limit)]  # fmt: skip
-        print(f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, "
-              f"T={args.temperature:g}, batch sizes {args.batch_sizes}, {args.repeats} "
-              f"interleaved repeats", flush=True)  # fmt: skip
-        cells = bench_batch(pair, prompts, args.specs, args.batch_sizes, args.max_new_tokens,
-                            args.temperature, args.repeats, artifacts)  # fmt: skip
+        prompts = [
+            encode(pair.tokenizer, p.text, keep_last=args.prompt_tokens)
+            for p in load_prompts(args.source, args.limit)
+        ]
+        print(
+            f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, "
+            f"T={args.temperature:g}, batch sizes {args.batch_sizes}, {args.repeats} "
+            f"interleaved repeats",
+            flush=True,
+        )
+        cells = bench_batch(
+            pair,
+            prompts,
+            args.specs,
+            args.batch_sizes,
+            args.max_new_tokens,
+            args.temperature,
+            args.repeats,
+            artifacts,
+        )
     header = (
         f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, "
         f"T={args.temperature:g}, {pair.device}, continuous batching in-process"
@@ -84,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_batch_bench(cells, header)
     params = {k: str(v) for k, v in vars(args).items() if k != "specs"}
     with tracked_run("bench_batch", params=params) as tracked:
-        tracked.log_metrics({f"b{c.batch}.{c.label.replace(' ', '_').replace('=', '')}": c.mean
-                             for c in cells})  # fmt: skip
+        tracked.log_metrics(
+            {f"b{c.batch}.{c.label.replace(' ', '_').replace('=', '')}": c.mean for c in cells}
+        )
         tracked.log_text(table, "bench_batch.txt")
         tracked.log_text(json.dumps([c.__dict__ for c in cells], indent=1), "cells.json")
         run_id = tracked.run_id

@@ -73,14 +73,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR, help="expert predictor")
     p.add_argument("--costmodel", type=Path, default=DEFAULT_COSTMODEL, help="costmodel.json")
     p.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="the oracle's policy.json")
-    p.add_argument("--acceptance", type=Path, default=DEFAULT_ACCEPTANCE,
-                   help="acceptance.json (jobs.train_acceptance)")  # fmt: skip
-    p.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
-                   help="read predictor/, costmodel.json, policy.json and acceptance.json from "
-                   "DIR (a second pair's); overrides the four options above")  # fmt: skip
-    p.add_argument("--policies", default=None,
-                   help="run only these, e.g. 'ar,fixed:k=2,throughput:max_k=8' (ar is always "
-                   "run first: the baseline); default: every policy of the bench")  # fmt: skip
+    p.add_argument(
+        "--acceptance",
+        type=Path,
+        default=DEFAULT_ACCEPTANCE,
+        help="acceptance.json (jobs.train_acceptance)",
+    )
+    p.add_argument(
+        "--artifacts",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="read predictor/, costmodel.json, policy.json and acceptance.json from "
+        "DIR (a second pair's); overrides the four options above",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="run only these, e.g. 'ar,fixed:k=2,throughput:max_k=8' (ar is always "
+        "run first: the baseline); default: every policy of the bench",
+    )
     p.add_argument(
         "--no-assisted", action="store_true", help="leave out transformers' assisted generation"
     )
@@ -132,8 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--policies: {exc}")
     try:
         temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
-        args.bound_at = (None if args.bound_at is None else
-                         [float(t) for t in args.bound_at.split(",") if t.strip()])  # fmt: skip
+        args.bound_at = (
+            None
+            if args.bound_at is None
+            else [float(t) for t in args.bound_at.split(",") if t.strip()]
+        )
     except ValueError:
         p.error("--temperatures and --bound-at take comma-separated numbers")
     if not temps or min(temps) < 0:
@@ -149,8 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.domains = list(DOMAINS) if names == ["all"] else names
         unknown = [d for d in args.domains if d not in DOMAINS]
         if unknown or not args.domains or len(set(args.domains)) < len(args.domains):
-            p.error(f"--domains {args.domains}: give distinct names among "
-                    f"{', '.join(DOMAINS)}, or 'all'")  # fmt: skip
+            p.error(
+                f"--domains {args.domains}: give distinct names among "
+                f"{', '.join(DOMAINS)}, or 'all'"
+            )
     return args
 
 
@@ -166,16 +183,26 @@ def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: 
     trained = set(artifacts.acceptance.meta.get("prompts", [])) if artifacts.acceptance else set()
     seen = sorted(p.prompt_id for p in chosen if p.prompt_id in trained)
     if seen:
-        print(f"[bench_online] warning: {name}: {len(seen)} prompts ({', '.join(seen[:4])}"
-              f"{', ...' if len(seen) > 4 else ''}) are in the acceptance model's training set;"
-              " its policies are then scored in-sample", flush=True)  # fmt: skip
+        print(
+            f"[bench_online] warning: {name}: {len(seen)} prompts ({', '.join(seen[:4])}"
+            f"{', ...' if len(seen) > 4 else ''}) are in the acceptance model's training set;"
+            " its policies are then scored in-sample",
+            flush=True,
+        )
     prompts = [encode(pair.tokenizer, p.text, keep_last=512) for p in chosen]
     result = run_online_bench(
-        pair, artifacts, prompts, [float(t) for t in args.temperatures.split(",")],
-        args.max_new_tokens, args.lmax, quick=args.quick, policies=args.policies,
-        assisted=False if args.no_assisted else None, bound=_bound_arg(args),
+        pair,
+        artifacts,
+        prompts,
+        [float(t) for t in args.temperatures.split(",")],
+        args.max_new_tokens,
+        args.lmax,
+        quick=args.quick,
+        policies=args.policies,
+        assisted=False if args.no_assisted else None,
+        bound=_bound_arg(args),
         progress=lambda line: print(f"[bench_online] {name}: {line}", flush=True),
-    )  # fmt: skip
+    )
     if args.domains:
         print(f"\n=== domain {name} ===")
     print(format_online_bench(result))
@@ -185,8 +212,9 @@ def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: 
 def main(argv: list[str] | None = None) -> list[BenchRow]:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
-    artifacts = load_artifacts(args.predictor, args.costmodel, args.policy, str(pair.device),
-                               args.acceptance)  # fmt: skip
+    artifacts = load_artifacts(
+        args.predictor, args.costmodel, args.policy, str(pair.device), args.acceptance
+    )
     # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
     artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")
     artifacts.check_pair(pair, allow_mismatch=args.allow_costmodel_mismatch)

@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.top_k > args.experts:
         p.error("--top-k must be <= --experts")
-    result = bench_oracle(args.sequences, args.tokens, args.lmax, args.layers, args.experts,
-                          args.top_k)  # fmt: skip
+    result = bench_oracle(
+        args.sequences, args.tokens, args.lmax, args.layers, args.experts, args.top_k
+    )
     print(format_oracle_bench(result))
     metrics = {"seconds_union": result.seconds_union, "seconds_dp": result.seconds_dp}
     with tracked_run("bench_oracle", params=vars(args)) as tracked:

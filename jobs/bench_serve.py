@@ -36,14 +36,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent HTTP clients")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--speculation", default='{"policy": "fixed", "k": 4}',
-                   help="the request's speculation field as JSON: policy and knobs")  # fmt: skip
+    p.add_argument(
+        "--speculation",
+        default='{"policy": "fixed", "k": 4}',
+        help="the request's speculation field as JSON: policy and knobs",
+    )
     p.add_argument("--url", default=None, help="a running endpoint (else one is started here)")
-    p.add_argument("--replica-cpus", type=float, default=1.0,
-                   help="CPUs per replica; also the in-process torch threads on CPU")  # fmt: skip
+    p.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs per replica; also the in-process torch threads on CPU",
+    )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
-    p.add_argument("--max-batch", type=int, default=16,
-                   help="the replica's max_batch (1: one at a time, round robin)")  # fmt: skip
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="the replica's max_batch (1: one at a time, round robin)",
+    )
     args = p.parse_args(argv)
     if min(args.limit, args.max_tokens, args.concurrency, args.max_batch) < 1:
         p.error("--limit, --max-tokens, --concurrency and --max-batch must be >= 1")
@@ -61,15 +72,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     texts = [p.text for p in load_prompts(args.source, args.limit)]
     settings = ServeBenchSettings(
-        args.target, args.draft, args.device, args.dtype, args.experts_implementation, args.spec,
-        args.max_tokens, args.temperature, args.concurrency, args.replica_cpus, args.max_batch,
-    )  # fmt: skip
-    result = run_serve_bench(texts, settings, args.url,
-                             lambda: ray_session(num_cpus=args.num_cpus))  # fmt: skip
+        args.target,
+        args.draft,
+        args.device,
+        args.dtype,
+        args.experts_implementation,
+        args.spec,
+        args.max_tokens,
+        args.temperature,
+        args.concurrency,
+        args.replica_cpus,
+        args.max_batch,
+    )
+    result = run_serve_bench(texts, settings, args.url, lambda: ray_session(num_cpus=args.num_cpus))
     print(format_serve_bench(result, args.source))
     metrics = result.metrics()
-    with tracked_run("bench_serve", params={k: v for k, v in vars(args).items() if k != "spec"}
-                     ) as tracked:  # fmt: skip
+    with tracked_run(
+        "bench_serve", params={k: v for k, v in vars(args).items() if k != "spec"}
+    ) as tracked:
         tracked.log_metrics(metrics)
     return metrics
 

@@ -91,9 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=_policies(DEFAULT_POLICIES),
         help=f"speculation settings, a JSON list (default {DEFAULT_POLICIES})",
     )
-    p.add_argument("--modes", type=_modes, default=list(MODES),
-                   help="replica modes in run order: single (max_batch=1), batched "
-                   "(max_batch=--max-batch); default single,batched")  # fmt: skip
+    p.add_argument(
+        "--modes",
+        type=_modes,
+        default=list(MODES),
+        help="replica modes in run order: single (max_batch=1), batched "
+        "(max_batch=--max-batch); default single,batched",
+    )
     p.add_argument("--max-batch", type=int, default=16, help="the batched mode's max_batch")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
@@ -111,8 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.limit, args.max_tokens, args.max_batch) < 1 or args.timeout <= 0:
         p.error("--limit, --max-tokens and --max-batch must be >= 1, --timeout > 0")
     if args.limit < max(args.concurrency):
-        p.error(f"--limit {args.limit} leaves clients idle at {max(args.concurrency)} clients: "
-                "give at least as many prompts as the most clients")  # fmt: skip
+        p.error(
+            f"--limit {args.limit} leaves clients idle at {max(args.concurrency)} clients: "
+            "give at least as many prompts as the most clients"
+        )
     return args
 
 
@@ -122,13 +128,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if len(texts) < max(args.concurrency):
         raise ValueError(f"{args.source} gave {len(texts)} prompts, fewer than the most clients")
     settings = SweepSettings(
-        args.target, args.draft, args.device, args.dtype, args.experts_implementation,
-        tuple(args.policies), tuple(args.concurrency), tuple(args.modes), args.max_tokens,
-        args.temperature, args.replica_cpus, args.max_batch, args.timeout,
-    )  # fmt: skip
+        args.target,
+        args.draft,
+        args.device,
+        args.dtype,
+        args.experts_implementation,
+        tuple(args.policies),
+        tuple(args.concurrency),
+        tuple(args.modes),
+        args.max_tokens,
+        args.temperature,
+        args.replica_cpus,
+        args.max_batch,
+        args.timeout,
+    )
     print(f"{len(texts)} {args.source} prompts; cells as they end:", flush=True)
-    result = run_sweep(texts, settings, lambda: ray_session(num_cpus=args.num_cpus),
-                       lambda cell: print(format_row(cell.row()), flush=True))  # fmt: skip
+    result = run_sweep(
+        texts,
+        settings,
+        lambda: ray_session(num_cpus=args.num_cpus),
+        lambda cell: print(format_row(cell.row()), flush=True),
+    )
     print(format_sweep(result, args.source))
     if args.out is not None:
         print("\nwrote " + ", ".join(str(p) for p in write_results(result, args.out)))

@@ -54,23 +54,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
     p.add_argument("--limit", type=int, default=16, help="prompts (16)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per text (128)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"tree policies, name:knob=value:... (default: {DEFAULT_POLICIES}); "
-                   "unset knobs take the policy's defaults")  # fmt: skip
+    p.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"tree policies, name:knob=value:... (default: {DEFAULT_POLICIES}); "
+        "unset knobs take the policy's defaults",
+    )
     p.add_argument(
         "--rules",
         default=",".join(DEFAULT_RULES),
         help="selection rules of the per-budget table (eagle2, ecospec, with "
         ":b=BRANCH,d=DEPTH; default: eagle2,ecospec, branch 2, no depth cap)",
     )
-    p.add_argument("--budgets", type=parse_ks, default=parse_ks("1,2,3,4,6,8,12"),
-                   help="largest budgets K in draft nodes (1,2,3,4,6,8,12); the cost model "
-                   "must cover m = K + 1")  # fmt: skip
+    p.add_argument(
+        "--budgets",
+        type=parse_ks,
+        default=parse_ks("1,2,3,4,6,8,12"),
+        help="largest budgets K in draft nodes (1,2,3,4,6,8,12); the cost model "
+        "must cover m = K + 1",
+    )
     p.add_argument("--repeats", type=int, default=3, help="interleaved decoding repeats (3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1, as a replica)")
-    p.add_argument("--artifacts", type=Path, default=MODELS_DIR, metavar="DIR",
-                   help="predictor/, costmodel.json and policy.json from DIR (default: the "
-                   "embedded pair's, models/)")  # fmt: skip
+    p.add_argument(
+        "--artifacts",
+        type=Path,
+        default=MODELS_DIR,
+        metavar="DIR",
+        help="predictor/, costmodel.json and policy.json from DIR (default: the "
+        "embedded pair's, models/)",
+    )
     args = p.parse_args(argv)
     if not args.artifacts.is_dir():
         p.error(f"--artifacts {args.artifacts}: not a directory")
@@ -92,11 +104,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with torch_threads(args.threads):
-        pair = load_pair(args.target, args.draft, args.device, args.dtype,
-                         args.experts_implementation)  # fmt: skip
+        pair = load_pair(
+            args.target, args.draft, args.device, args.dtype, args.experts_implementation
+        )
         d = args.artifacts
-        artifacts = load_artifacts(d / "predictor", d / "costmodel.json", d / "policy.json",
-                                   str(pair.device), d / "acceptance.json")  # fmt: skip
+        artifacts = load_artifacts(
+            d / "predictor",
+            d / "costmodel.json",
+            d / "policy.json",
+            str(pair.device),
+            d / "acceptance.json",
+        )
         artifacts.check_pair(pair)
         prompts = [encode(pair.tokenizer, p.text) for p in load_prompts(args.source, args.limit)]
         print(
@@ -104,8 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
             f"{args.repeats} interleaved repeats, budgets {args.budgets}",
             flush=True,
         )
-        bench = run_tree_bench(pair, artifacts, prompts, args.max_new_tokens, args.specs,
-                               args.rules, tuple(args.budgets), args.repeats)  # fmt: skip
+        bench = run_tree_bench(
+            pair,
+            artifacts,
+            prompts,
+            args.max_new_tokens,
+            args.specs,
+            args.rules,
+            tuple(args.budgets),
+            args.repeats,
+        )
     header = (
         f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, T=0, "
         f"{pair.device}, {pair.dtype}, {pair.experts_implementation} experts"
@@ -113,14 +139,20 @@ def main(argv: list[str] | None = None) -> dict:
     table = format_tree_bench(bench, header)
     params = {k: str(v) for k, v in vars(args).items() if k != "specs"}
     with tracked_run("bench_tree", params=params) as tracked:
-        tracked.log_metrics({f"{r.bound}_k{r.budget}": r.speedup
-                             for r in bench.budgets.itertuples()})  # fmt: skip
-        tracked.log_metrics({"of_bound_" + re.sub(r"[^\w.-]+", "_", s.label): s.of_bound_modelled
-                             for s in bench.policies})  # fmt: skip
+        tracked.log_metrics(
+            {f"{r.bound}_k{r.budget}": r.speedup for r in bench.budgets.itertuples()}
+        )
+        tracked.log_metrics(
+            {
+                "of_bound_" + re.sub(r"[^\w.-]+", "_", s.label): s.of_bound_modelled
+                for s in bench.policies
+            }
+        )
         tracked.log_metrics({"tree_target_forwards_per_token": bench.target_forwards_per_token})
         tracked.log_text(table, "bench_tree.txt")
-        tracked.log_text(json.dumps([dataclasses.asdict(s) for s in bench.policies], indent=1),
-                         "policies.json")  # fmt: skip
+        tracked.log_text(
+            json.dumps([dataclasses.asdict(s) for s in bench.policies], indent=1), "policies.json"
+        )
         run_id = tracked.run_id
     print(table)
     print(f"\nMLflow run {run_id} at {tracking_uri()}")

@@ -42,10 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--limit", type=int, default=8, help="prompts (8)")
     p.add_argument("--ks", type=parse_ks, default=parse_ks("0-10"), help="budgets K (0-10)")
-    p.add_argument("--look-ks", default=None,
-                   help="budgets K that also get look rounds (K + 1 draft forwards), among "
-                        "--ks; 'none' for none (default: every other K of --ks from the "
-                        "smallest: 0,2,4,... for 0-10)")  # fmt: skip
+    p.add_argument(
+        "--look-ks",
+        default=None,
+        help="budgets K that also get look rounds (K + 1 draft forwards), among "
+        "--ks; 'none' for none (default: every other K of --ks from the "
+        "smallest: 0,2,4,... for 0-10)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="discarded warm-up per K")
     p.add_argument(
@@ -55,15 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time each pass this many times back to back, keep the median (1: as decoding "
         "runs it; a repeat finds the weights in cache)",
     )
-    p.add_argument("--design", choices=DESIGNS, default="forced",
-                   help="how the target's cost is identified. 'forced' (default): after every "
-                        "round, --designed-per-round passes with the routing set by design to "
-                        "the next (m, U) cell (every union size U at every m, shuffled), timed "
-                        "at that round's state like the round itself; 'forced-contexts': the "
-                        "same cells in a separate shuffled run at --designed-contexts; "
-                        "'observational': the router's own choices in the rounds. The forced "
-                        "designs still fit the draft line on the rounds and score the designed "
-                        "model on them (design_comparison.csv)")  # fmt: skip
+    p.add_argument(
+        "--design",
+        choices=DESIGNS,
+        default="forced",
+        help="how the target's cost is identified. 'forced' (default): after every "
+        "round, --designed-per-round passes with the routing set by design to "
+        "the next (m, U) cell (every union size U at every m, shuffled), timed "
+        "at that round's state like the round itself; 'forced-contexts': the "
+        "same cells in a separate shuffled run at --designed-contexts; "
+        "'observational': the router's own choices in the rounds. The forced "
+        "designs still fit the draft line on the rounds and score the designed "
+        "model on them (design_comparison.csv)",
+    )
     p.add_argument(
         "--designed-per-round",
         type=int,
@@ -117,8 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             args.designed_contexts = sorted({int(x) for x in contexts.split(",")})
         except ValueError:
-            p.error(f"--designed-contexts: {args.designed_contexts!r} is not 'auto', "
-                    "'prompts' or comma-separated integers")  # fmt: skip
+            p.error(
+                f"--designed-contexts: {args.designed_contexts!r} is not 'auto', "
+                "'prompts' or comma-separated integers"
+            )
         if min(args.designed_contexts) < 2:
             p.error("--designed-contexts must be >= 2 tokens")
     if args.threads is not None and args.threads < 1:
@@ -130,8 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     missing = sorted({k + 1 for k in args.ks} - set(args.designed_ms or ()))
     if args.designed_ms is not None and args.design != "observational" and missing:
         # The designed model must price every round it is tested on (and the oracle, every m).
-        p.error(f"--designed-ms {args.designed_ms} must include K + 1 for every K of --ks: "
-                f"add {missing}")  # fmt: skip
+        p.error(
+            f"--designed-ms {args.designed_ms} must include K + 1 for every K of --ks: "
+            f"add {missing}"
+        )
     if args.look_ks is None:
         args.look_ks = args.ks[::2]
     elif args.look_ks.strip().lower() == "none":
@@ -155,14 +166,27 @@ def main(argv: list[str] | None = None) -> dict:
 def _calibrate(args: argparse.Namespace) -> dict:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     prompts = load_prompts(args.source, args.limit)
-    print(f"calibrating on {pair.device} ({pair.dtype}, experts={pair.experts_implementation}): "
-          f"{len(prompts)} prompts x K in {args.ks}, looks at K in {args.look_ks}",
-          flush=True)  # fmt: skip
-    result = run_calibration(pair, prompts, args.ks, args.max_new_tokens, args.warmup_tokens,
-                             args.out, args.repeats, args.look_ks, args.design,
-                             args.designed_ms or (), args.designed_repeats,
-                             args.max_levels, args.designed_contexts,
-                             args.designed_per_round)  # fmt: skip
+    print(
+        f"calibrating on {pair.device} ({pair.dtype}, experts={pair.experts_implementation}): "
+        f"{len(prompts)} prompts x K in {args.ks}, looks at K in {args.look_ks}",
+        flush=True,
+    )
+    result = run_calibration(
+        pair,
+        prompts,
+        args.ks,
+        args.max_new_tokens,
+        args.warmup_tokens,
+        args.out,
+        args.repeats,
+        args.look_ks,
+        args.design,
+        args.designed_ms or (),
+        args.designed_repeats,
+        args.max_levels,
+        args.designed_contexts,
+        args.designed_per_round,
+    )
     params = {**{k: str(v) for k, v in vars(args).items()}, **result.meta}
     with tracked_run("calibrate", params=params) as tracked:
         tracked.log_metrics(fit_metrics(result.fit, result.rounds))

@@ -35,8 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_args(p)
     p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
     p.add_argument("--limit", type=int, default=16, help="prompts (16)")
-    p.add_argument("--batch-sizes", type=parse_ks, default=parse_ks("1,2,4,8,16"),
-                   help="generations decoded at once (1,2,4,8,16)")  # fmt: skip
+    p.add_argument(
+        "--batch-sizes",
+        type=parse_ks,
+        default=parse_ks("1,2,4,8,16"),
+        help="generations decoded at once (1,2,4,8,16)",
+    )
     p.add_argument(
         "--ks",
         type=parse_ks,
@@ -44,8 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fixed chain lengths the generations draw from (0-8; 0: plain steps)",
     )
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per generation (48)")
-    p.add_argument("--prompt-tokens", type=int, default=256,
-                   help="keep the last this many tokens of each prompt (256)")  # fmt: skip
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=256,
+        help="keep the last this many tokens of each prompt (256)",
+    )
     p.add_argument(
         "--costmodel",
         type=Path,
@@ -84,22 +92,37 @@ def _calibrate(args: argparse.Namespace) -> dict:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     cost = CostModel.load(args.costmodel)
     cost.check_measured_on(pair_provenance(pair), args.allow_costmodel_mismatch)
-    prompts = [encode(pair.tokenizer, p.text, keep_last=args.prompt_tokens)
-               for p in load_prompts(args.source, args.limit)]  # fmt: skip
-    print(f"batch calibration on {pair.device} ({pair.dtype}, experts="
-          f"{pair.experts_implementation}): {len(prompts)} prompts x {args.max_new_tokens} "
-          f"tokens at batch sizes {args.batch_sizes}, K in {args.ks}", flush=True)  # fmt: skip
+    prompts = [
+        encode(pair.tokenizer, p.text, keep_last=args.prompt_tokens)
+        for p in load_prompts(args.source, args.limit)
+    ]
+    print(
+        f"batch calibration on {pair.device} ({pair.dtype}, experts="
+        f"{pair.experts_implementation}): {len(prompts)} prompts x {args.max_new_tokens} "
+        f"tokens at batch sizes {args.batch_sizes}, K in {args.ks}",
+        flush=True,
+    )
     result = calibrate_batch(pair, prompts, args.batch_sizes, args.ks, args.max_new_tokens)
     fit = result.cost
     cost.meta["batch"] = fit.to_json()
     out = args.out or args.costmodel
     out.parent.mkdir(parents=True, exist_ok=True)
     cost.save(out)
-    metrics = {"r2_target": fit.r2_target, "r2_draft": fit.r2_draft, "b0": fit.b0,
-               "b_pos": fit.b_pos, "b_union": fit.b_union, "b_ctx": fit.b_ctx, "d0": fit.d0,
-               "d_tok": fit.d_tok, "s0": fit.s0, "s_row": fit.s_row,
-               "union_decay": fit.union_decay, "passes": fit.records,
-               "seconds": result.seconds}  # fmt: skip
+    metrics = {
+        "r2_target": fit.r2_target,
+        "r2_draft": fit.r2_draft,
+        "b0": fit.b0,
+        "b_pos": fit.b_pos,
+        "b_union": fit.b_union,
+        "b_ctx": fit.b_ctx,
+        "d0": fit.d0,
+        "d_tok": fit.d_tok,
+        "s0": fit.s0,
+        "s_row": fit.s_row,
+        "union_decay": fit.union_decay,
+        "passes": fit.records,
+        "seconds": result.seconds,
+    }
     with tracked_run("calibrate_batch", params={k: str(v) for k, v in vars(args).items()}) as t:
         t.log_metrics(metrics)
         t.log_artifact(str(out))

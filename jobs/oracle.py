@@ -117,28 +117,37 @@ def main(argv: list[str] | None = None) -> dict:
         print("no tree bound: the extraction has trees but no greedy tails for the chain bound")
     need = max(max(lmaxes), int(manifest.get("tree_budget", 0)) if want_trees else 0)
     model = CostModel.load(
-        args.costmodel, range(1, need + 2), f"the oracle at Lmax {max(lmaxes)}"
+        args.costmodel,
+        range(1, need + 2),
+        f"the oracle at Lmax {max(lmaxes)}"
         + (f" and the tree bound at budget {manifest['tree_budget']}" if want_trees else ""),
-        provenance=manifest_provenance(manifest), allow_mismatch=args.allow_costmodel_mismatch,
-    )  # fmt: skip
+        provenance=manifest_provenance(manifest),
+        allow_mismatch=args.allow_costmodel_mismatch,
+    )
     spec = moe_spec(load_config(args.target))
     tokenizer = load_tokenizer(args.target)
     with ray_session(num_cpus=args.num_cpus):
         params = {**{k: str(v) for k, v in vars(args).items()}, "lmax_sweep": str(lmaxes)}
         with tracked_run("oracle", params=params) as run:
             result = run_study(
-                args.extract, model, spec, lmaxes, decisions_lmax, args.out,
+                args.extract,
+                model,
+                spec,
+                lmaxes,
+                decisions_lmax,
+                args.out,
                 OracleConfig(args.acceptance, args.plain_step),
                 decode=lambda ids: tokenizer.decode(ids),
-            )  # fmt: skip
+            )
             metrics = study_metrics(result)
             trees = None
             if want_trees:
                 trees = study_from_extraction(args.extract, model, spec)
                 trees.to_csv(args.out / "tree_bound.csv", index=False)
                 run.log_artifact(str(args.out / "tree_bound.csv"))
-                metrics.update({f"tree_bound_{r.bound}_k{r.budget}": r.speedup
-                                for r in trees.itertuples()})  # fmt: skip
+                metrics.update(
+                    {f"tree_bound_{r.bound}_k{r.budget}": r.speedup for r in trees.itertuples()}
+                )
             run.log_metrics(metrics)
             for path in result.paths.values():
                 run.log_artifact(str(path))
@@ -149,8 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
         print()
         print(format_tree_study(trees))
         print(f"(tree_bound.csv under {args.out})")
-    print(f"\nwrote {args.out}/ (decisions, summary, policy.json, plots); MLflow run {run_id} at "
-          f"{tracking_uri()}")  # fmt: skip
+    print(
+        f"\nwrote {args.out}/ (decisions, summary, policy.json, plots); MLflow run {run_id} at "
+        f"{tracking_uri()}"
+    )
     return {"result": result, "trees": trees}
 
 

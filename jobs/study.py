@@ -50,16 +50,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lmax", type=int, default=12, help="largest draft length studied (12)")
     p.add_argument("--calibration-prompts", type=int, default=4, help="prompts timed (4)")
     p.add_argument("--calibration-tokens", type=int, default=48, help="tokens per timed run")
-    p.add_argument("--calibration-design", choices=DESIGNS, default="forced",
-                   help="how the target's cost is identified (forced, default: routing set "
-                        "by design at every union size; see jobs.calibrate --design)")  # fmt: skip
-    p.add_argument("--calibration-threads", type=int, default=1,
-                   help="torch threads while timing (1: what a serving replica runs, and a "
-                        "core stays free for Ray's own processes)")  # fmt: skip
-    p.add_argument("--trees", default=None,
-                   help="draft-tree selection rules for the tree bound (jobs.extract --trees; "
-                   "default: eagle2,ecospec, or eagle2 alone when --predictor does not fit the "
-                   "target; '' for none)")  # fmt: skip
+    p.add_argument(
+        "--calibration-design",
+        choices=DESIGNS,
+        default="forced",
+        help="how the target's cost is identified (forced, default: routing set "
+        "by design at every union size; see jobs.calibrate --design)",
+    )
+    p.add_argument(
+        "--calibration-threads",
+        type=int,
+        default=1,
+        help="torch threads while timing (1: what a serving replica runs, and a "
+        "core stays free for Ray's own processes)",
+    )
+    p.add_argument(
+        "--trees",
+        default=None,
+        help="draft-tree selection rules for the tree bound (jobs.extract --trees; "
+        "default: eagle2,ecospec, or eagle2 alone when --predictor does not fit the "
+        "target; '' for none)",
+    )
     p.add_argument(
         "--predictor",
         type=Path,
@@ -95,9 +106,18 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     out: Path = args.out
     extract_dir, cal_dir, oracle_dir = out / "extract", out / "calibration", out / "oracle"
-    models = ["--target", args.target, "--draft", args.draft, "--device", args.device,
-              "--dtype", args.dtype,
-              "--experts-implementation", args.experts_implementation]  # fmt: skip
+    models = [
+        "--target",
+        args.target,
+        "--draft",
+        args.draft,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--experts-implementation",
+        args.experts_implementation,
+    ]
     with ray_session(num_cpus=args.num_cpus):
         _banner("1/4 extract")
         extract_job.main(
@@ -152,8 +172,14 @@ def main(argv: list[str] | None = None) -> dict:
             ]
         )
 
-        oracle_args = ["--extract", str(extract_dir), "--costmodel",
-                       str(cal_dir / "costmodel.json"), "--target", args.target]  # fmt: skip
+        oracle_args = [
+            "--extract",
+            str(extract_dir),
+            "--costmodel",
+            str(cal_dir / "costmodel.json"),
+            "--target",
+            args.target,
+        ]
         _banner("4/4 oracle (every acceptance rule, with and without the plain step)")
         oracle = oracle_job.main([*oracle_args, "--out", str(oracle_dir)])
         result, trees = oracle["result"], oracle["trees"]

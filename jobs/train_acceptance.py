@@ -38,10 +38,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_acceptance", __doc__)
     add_model_args(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to save ({DEFAULT_OUT})")
-    p.add_argument("--per-domain", type=int, default=32,
-                   help="prompts per domain (32; fewer where a domain has fewer)")  # fmt: skip
-    p.add_argument("--skip", type=int, default=8,
-                   help="leading prompts of each domain left out: bench's --limit (8)")  # fmt: skip
+    p.add_argument(
+        "--per-domain",
+        type=int,
+        default=32,
+        help="prompts per domain (32; fewer where a domain has fewer)",
+    )
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=8,
+        help="leading prompts of each domain left out: bench's --limit (8)",
+    )
     p.add_argument(
         "--temperatures",
         default="0,0.5,1",
@@ -85,8 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
-    prompts = [p for name in DOMAINS
-               for p in load_domain(name, args.skip + args.per_domain)[args.skip :]]  # fmt: skip
+    prompts = [
+        p for name in DOMAINS for p in load_domain(name, args.skip + args.per_domain)[args.skip :]
+    ]
     print(
         f"tracing {len(prompts)} prompts x T in {args.temperatures}, "
         f"{args.max_new_tokens} tokens each",
@@ -94,10 +103,17 @@ def main(argv: list[str] | None = None) -> dict:
     )
     with torch_threads(args.threads):
         model, report = train_acceptance(
-            pair, prompts, args.temperatures, args.max_new_tokens, args.max_m, args.out,
-            args.decay, args.seed, log=lambda line: print(line, flush=True),
+            pair,
+            prompts,
+            args.temperatures,
+            args.max_new_tokens,
+            args.max_m,
+            args.out,
+            args.decay,
+            args.seed,
+            log=lambda line: print(line, flush=True),
             traces_path=args.traces,
-        )  # fmt: skip
+        )
     for mode, scores in report.items():
         for kind in ("current", "next", "head"):
             s = scores.get(kind)

@@ -40,25 +40,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 < args.held_out < 1:
         p.error("--held-out must lie in (0, 1)")
     if not (args.extract / "tokens").is_dir():
-        p.error(f"{args.extract} holds no extraction (no tokens/ table); create one with "
-                f"python -m jobs.extract --lmax 1 --out {args.extract}")  # fmt: skip
+        p.error(
+            f"{args.extract} holds no extraction (no tokens/ table); create one with "
+            f"python -m jobs.extract --lmax 1 --out {args.extract}"
+        )
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
-    trained = train_predictor(pair, args.extract, args.out, args.epochs, args.batch_size,
-                              args.lr, args.held_out, args.seed,
-                              log=lambda line: print(line, flush=True))  # fmt: skip
+    trained = train_predictor(
+        pair,
+        args.extract,
+        args.out,
+        args.epochs,
+        args.batch_size,
+        args.lr,
+        args.held_out,
+        args.seed,
+        log=lambda line: print(line, flush=True),
+    )
     report = trained.report
-    print(f"held-out top-{pair.spec.top_k} overlap accuracy: "
-          f"{report['held_out_topk_overlap']:.1%} (train {report['train_topk_overlap']:.1%}; "
-          f"lookup-table baseline {report['lookup_table_topk_overlap']:.1%})")  # fmt: skip
-    print(f"cost: {report['predictor_ms']:.3f} ms per call (1 token), "
-          f"{report['predictor_ms_8_nodes']:.3f} ms (8 tree nodes) vs "
-          f"{report['draft_step_ms']:.3f} ms per draft forward: "
-          f"{report['cost_ratio']:.2f}x a draft step")  # fmt: skip
+    print(
+        f"held-out top-{pair.spec.top_k} overlap accuracy: "
+        f"{report['held_out_topk_overlap']:.1%} (train {report['train_topk_overlap']:.1%}; "
+        f"lookup-table baseline {report['lookup_table_topk_overlap']:.1%})"
+    )
+    print(
+        f"cost: {report['predictor_ms']:.3f} ms per call (1 token), "
+        f"{report['predictor_ms_8_nodes']:.3f} ms (8 tree nodes) vs "
+        f"{report['draft_step_ms']:.3f} ms per draft forward: "
+        f"{report['cost_ratio']:.2f}x a draft step"
+    )
     print(f"saved {args.out}")
     with tracked_run("train_predictor", params=vars(args)) as mlrun:
         mlrun.log_metrics({k: v for k, v in report.items() if isinstance(v, float | int)})

@@ -42,11 +42,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--heldout-tokens", type=int, default=60_000, help="held-out tokens to evaluate on"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--draft-for", type=Path, default=None, metavar="TARGET_DIR",
-                   help="train only a draft, distilled from this target checkpoint; --out is "
-                   "then the draft's directory")  # fmt: skip
-    p.add_argument("--draft-layers", type=int, default=2,
-                   help="with --draft-for: the draft's decoder layers")  # fmt: skip
+    p.add_argument(
+        "--draft-for",
+        type=Path,
+        default=None,
+        metavar="TARGET_DIR",
+        help="train only a draft, distilled from this target checkpoint; --out is "
+        "then the draft's directory",
+    )
+    p.add_argument(
+        "--draft-layers", type=int, default=2, help="with --draft-for: the draft's decoder layers"
+    )
     args = p.parse_args(argv)
     if args.draft_for is None:
         args.out = args.out or Path("models")
@@ -93,22 +99,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     ratio = built.draft_ms / built.target_ms
     print("\nembedded models written to", built.out)
-    print(f"  target held-out loss            {built.target_loss:.3f} nats/token "
-          f"({built.heldout_tokens:,} tokens)")  # fmt: skip
+    print(
+        f"  target held-out loss            {built.target_loss:.3f} nats/token "
+        f"({built.heldout_tokens:,} tokens)"
+    )
     print(f"  draft held-out loss             {built.draft_loss:.3f} nats/token")
     print(f"  draft top-1 agreement w/ target {built.agreement:.1%}")
-    print(f"  draft step / target step        {ratio:.3f} "
-          f"({built.draft_ms:.2f} ms / {built.target_ms:.2f} ms, CPU, one run)")  # fmt: skip
+    print(
+        f"  draft step / target step        {ratio:.3f} "
+        f"({built.draft_ms:.2f} ms / {built.target_ms:.2f} ms, CPU, one run)"
+    )
     print(f"  size on disk                    {built.size_bytes / 2**20:.1f} MiB")
     return report
 
 
 def second_draft(args: argparse.Namespace) -> dict[str, float]:
     report = distill_second_draft(
-        args.draft_for, args.out, args.draft_layers, args.draft_steps, args.batch_size,
-        args.seq_len, args.lr, args.seed, args.heldout_tokens,
+        args.draft_for,
+        args.out,
+        args.draft_layers,
+        args.draft_steps,
+        args.batch_size,
+        args.seq_len,
+        args.lr,
+        args.seed,
+        args.heldout_tokens,
         log=lambda line: print(line, flush=True),
-    )  # fmt: skip
+    )
     with tracked_run("train_tiny", params={**vars(args)}) as tracked:
         tracked.log_metrics({k: float(v) for k, v in report.items()})
         tracked.log_artifact(str(args.out / "train_report.json"))

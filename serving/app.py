@@ -74,8 +74,12 @@ install_auth(api)
 
 
 # The controller notices a dead or stalled replica at its next health check.
-@serve.deployment(name=DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 1},
-                  max_ongoing_requests=8, health_check_period_s=2)  # fmt: skip
+@serve.deployment(
+    name=DEPLOYMENT_NAME,
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=8,
+    health_check_period_s=2,
+)
 @serve.ingress(api)
 class SpecboundServer:
     def __init__(self, args: AppArgs):
@@ -83,11 +87,19 @@ class SpecboundServer:
         set_api_key(args.api_key)
         for module in args.policy_modules:
             importlib.import_module(module)
-        self.pair = load_pair(args.target or DEFAULT_TARGET, args.draft or DEFAULT_DRAFT,
-                              args.device, args.dtype, args.experts_implementation)  # fmt: skip
+        self.pair = load_pair(
+            args.target or DEFAULT_TARGET,
+            args.draft or DEFAULT_DRAFT,
+            args.device,
+            args.dtype,
+            args.experts_implementation,
+        )
         self.limits = args.step_limits()
-        self.engine = (BatchedEngine(self.pair, self.limits) if args.max_batch > 1
-                       else SpeculativeEngine(self.pair, self.limits))  # fmt: skip
+        self.engine = (
+            BatchedEngine(self.pair, self.limits)
+            if args.max_batch > 1
+            else SpeculativeEngine(self.pair, self.limits)
+        )
         # The cost-aware policies' artifacts, checked against this pair once; if they are
         # missing or were measured elsewhere, those policies answer a 500 naming why (the
         # others keep serving).
@@ -106,16 +118,23 @@ class SpecboundServer:
                 "are unavailable, requests without a policy get %s",
                 default_spec(None),
             )
-        self.vocab = min(len(self.tokenizer), self.pair.target.config.vocab_size,
-                         self.pair.draft.config.vocab_size)  # fmt: skip
+        self.vocab = min(
+            len(self.tokenizer),
+            self.pair.target.config.vocab_size,
+            self.pair.draft.config.vocab_size,
+        )
         self.context = min(
             getattr(m.config, "max_position_embeddings", None) or 1 << 30
             for m in (self.pair.target, self.pair.draft)
         )
         self.created = now()
-        self.worker = (BatchedDecodeWorker(self.engine, args.stall_timeout_s, args.max_batch,
-                                           args.max_batch_positions) if args.max_batch > 1
-                       else DecodeWorker(self.engine, args.stall_timeout_s))  # fmt: skip
+        self.worker = (
+            BatchedDecodeWorker(
+                self.engine, args.stall_timeout_s, args.max_batch, args.max_batch_positions
+            )
+            if args.max_batch > 1
+            else DecodeWorker(self.engine, args.stall_timeout_s)
+        )
         self.metrics = ServingMetrics()
         log.info("specbound replica ready on %s (context %d)", self.pair.device, self.context)
 
@@ -134,18 +153,23 @@ class SpecboundServer:
             metrics.close()
         worker = getattr(self, "worker", None)
         if worker is not None and not worker.shutdown(self.args.shutdown_timeout_s):
-            log.warning("decoding thread still busy after %ss; exiting anyway",
-                        self.args.shutdown_timeout_s)  # fmt: skip
+            log.warning(
+                "decoding thread still busy after %ss; exiting anyway", self.args.shutdown_timeout_s
+            )
 
     # --- routes ---------------------------------------------------------------------------
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
         why = self.worker.stalled()
-        body = {"status": "stalled" if why else "ok", "model": self.args.model_name,
-                "device": str(self.pair.device), "in_flight": self.worker.in_flight,
-                "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
-                "generations": dict(self.worker.counts)}  # fmt: skip
+        body = {
+            "status": "stalled" if why else "ok",
+            "model": self.args.model_name,
+            "device": str(self.pair.device),
+            "in_flight": self.worker.in_flight,
+            "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+            "generations": dict(self.worker.counts),
+        }
         if why:
             body["error"] = why
         return JSONResponse(body, status_code=503 if why else 200)
@@ -154,17 +178,19 @@ class SpecboundServer:
     async def models(self) -> dict:
         return {
             "object": "list",
-            "data": [{
-                "id": self.args.model_name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "specbound",
-                "target": self.pair.target_path,
-                "draft": self.pair.draft_path,
-                "context_length": self.context,
-                "policies": policy_names(),
-            }],
-        }  # fmt: skip
+            "data": [
+                {
+                    "id": self.args.model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "specbound",
+                    "target": self.pair.target_path,
+                    "draft": self.pair.draft_path,
+                    "context_length": self.context,
+                    "policies": policy_names(),
+                }
+            ],
+        }
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -187,8 +213,10 @@ class SpecboundServer:
                 raise RequestError(
                     f"model '{req.model}' does not exist; this server serves "
                     f"'{self.args.model_name}'",
-                    "model", status=404, code="model_not_found",
-                )  # fmt: skip
+                    "model",
+                    status=404,
+                    code="model_not_found",
+                )
             # Tokenizing long prompts and building a policy are blocking work.
             job = await asyncio.to_thread(self._prepare, req, kind, arrived)
             if req.stream:
@@ -222,8 +250,14 @@ class SpecboundServer:
             ttft = None if job.first_text_at is None else job.first_text_at - arrived
             prompts = {c.index: len(c.prompt_ids) for c in job.choices}
             for index, result in results.items():
-                self.metrics.generation(job.policy_name, result.steps, prompts[index],
-                                        len(result.tokens), result.finish_reason, ttft)  # fmt: skip
+                self.metrics.generation(
+                    job.policy_name,
+                    result.steps,
+                    prompts[index],
+                    len(result.tokens),
+                    result.finish_reason,
+                    ttft,
+                )
                 ttft = None  # once per request
 
         return record
@@ -233,8 +267,9 @@ class SpecboundServer:
         if count > self.args.max_choices:  # before any tokenizing
             raise RequestError(
                 f"{count // req.n} prompt(s) x n = {req.n} asks for {count} generations; "
-                f"this server allows at most {self.args.max_choices} per request", "n",
-            )  # fmt: skip
+                f"this server allows at most {self.args.max_choices} per request",
+                "n",
+            )
         if kind == "chat":
             prompts = [render_chat(self.tokenizer, req.chat_messages)]
             params = ["messages"]
@@ -246,8 +281,9 @@ class SpecboundServer:
                 else:
                     check_token_ids(prompt, self.vocab, param)
                     prompts.append(list(prompt))
-        name, knobs = (req.speculation_spec if req.speculation is not None
-                       else default_spec(self.artifacts))  # fmt: skip
+        name, knobs = (
+            req.speculation_spec if req.speculation is not None else default_spec(self.artifacts)
+        )
 
         def make_policy():
             return build_policy(name, knobs, self.artifacts, self.artifacts_error)
@@ -262,20 +298,41 @@ class SpecboundServer:
         lookahead = max(work.verified - 1, work.draft_forwards)
         # A chat request without a limit generates until the context (or the server's limit).
         max_tokens = min(
-            resolve_max_tokens(req, len(ids), self.context, self.args.max_tokens_limit,
-                               self.args.max_tokens_limit, param, lookahead)
+            resolve_max_tokens(
+                req,
+                len(ids),
+                self.context,
+                self.args.max_tokens_limit,
+                self.args.max_tokens_limit,
+                param,
+                lookahead,
+            )
             for ids, param in zip(prompts, params, strict=True)
-        )  # fmt: skip
+        )
         # Without a seed every request samples differently (the engine would default to 0);
         # choice i of a seeded request uses seed + i, so n > 1 choices differ.
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        choices = [Choice(p * req.n + j, p, ids, (seed + p * req.n + j) % (1 << 63))
-                   for p, ids in enumerate(prompts) for j in range(req.n)]  # fmt: skip
+        choices = [
+            Choice(p * req.n + j, p, ids, (seed + p * req.n + j) % (1 << 63))
+            for p, ids in enumerate(prompts)
+            for j in range(req.n)
+        ]
         timeout = min(req.timeout_s or self.args.request_timeout_s, self.args.request_timeout_s)
         cid = new_chat_id() if kind == "chat" else new_completion_id()
-        return Job(kind, cid, now(), self.args.model_name, choices, make_policy, name, knobs,
-                   max_tokens, SamplingConfig(req.temperature, req.top_p), req.stops,
-                   arrived + timeout)  # fmt: skip
+        return Job(
+            kind,
+            cid,
+            now(),
+            self.args.model_name,
+            choices,
+            make_policy,
+            name,
+            knobs,
+            max_tokens,
+            SamplingConfig(req.temperature, req.top_p),
+            req.stops,
+            arrived + timeout,
+        )
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -38,8 +38,9 @@ class BatchedDecodeWorker:
     """The same interface as serving.worker.DecodeWorker (submit, in_flight, stalled,
     shutdown, closing, counts), batching across generations."""
 
-    def __init__(self, engine: BatchedEngine, stall_limit_s: float, max_batch: int,
-                 max_positions: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self, engine: BatchedEngine, stall_limit_s: float, max_batch: int, max_positions: int = 256
+    ) -> None:
         self.engine = engine
         self.batcher = engine.batcher
         self.stall_limit_s = stall_limit_s
@@ -81,12 +82,15 @@ class BatchedDecodeWorker:
         now = time.monotonic()
         began = self.batcher.forward_began
         if began is not None and now - began > self.stall_limit_s:
-            return (f"one batched forward has run for {now - began:.0f} s "
-                    f"(limit {self.stall_limit_s:g} s)")  # fmt: skip
+            return (
+                f"one batched forward has run for {now - began:.0f} s "
+                f"(limit {self.stall_limit_s:g} s)"
+            )
         stuck = self.batcher.stuck_for()
         if stuck > self.stall_limit_s:
-            return (f"the batch has made no progress for {stuck:.0f} s "
-                    f"(limit {self.stall_limit_s:g} s)")  # fmt: skip
+            return (
+                f"the batch has made no progress for {stuck:.0f} s (limit {self.stall_limit_s:g} s)"
+            )
         return None
 
     def shutdown(self, timeout_s: float) -> bool:
@@ -109,8 +113,9 @@ class BatchedDecodeWorker:
                     if self._closing:
                         task.cancel.set()
                     self._running.add(task)
-                    threading.Thread(target=self._drive, args=(task,), name="generation",
-                                     daemon=True).start()  # fmt: skip
+                    threading.Thread(
+                        target=self._drive, args=(task,), name="generation", daemon=True
+                    ).start()
                 if self._closing and not self._running:
                     return
             if not self.batcher.run_once(timeout_s=0.02) and not self._running:

@@ -55,8 +55,10 @@ class Side:
     def row(self) -> str:
         p50, p99 = (np.percentile(self.latencies, q) * 1e3 for q in (50, 99))
         tok_s = self.tokens / self.seconds
-        return (f"{self.label:<28}{len(self.latencies):>9}{self.requests_per_s:>8.2f}"
-                f"{tok_s:>9.1f}{p50:>9.0f}{p99:>9.0f}{self.errors:>8}")  # fmt: skip
+        return (
+            f"{self.label:<28}{len(self.latencies):>9}{self.requests_per_s:>8.2f}"
+            f"{tok_s:>9.1f}{p50:>9.0f}{p99:>9.0f}{self.errors:>8}"
+        )
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,14 @@ class ServeBenchResult:
 
     def metrics(self) -> dict[str, float]:
         lat = self.remote.latencies
-        return {"local_req_s": self.local.requests_per_s,
-                "endpoint_req_s": self.remote.requests_per_s, "ratio": self.ratio,
-                "endpoint_errors": self.remote.errors,
-                "endpoint_p50_ms": float(np.percentile(lat, 50) * 1e3),
-                "endpoint_p99_ms": float(np.percentile(lat, 99) * 1e3)}  # fmt: skip
+        return {
+            "local_req_s": self.local.requests_per_s,
+            "endpoint_req_s": self.remote.requests_per_s,
+            "ratio": self.ratio,
+            "endpoint_errors": self.remote.errors,
+            "endpoint_p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "endpoint_p99_ms": float(np.percentile(lat, 99) * 1e3),
+        }
 
 
 def bench_in_process(pair: ModelPair, texts: list[str], settings: ServeBenchSettings) -> Side:
@@ -89,8 +94,9 @@ def bench_in_process(pair: ModelPair, texts: list[str], settings: ServeBenchSett
 
     def one(seed: int, text: str):
         ids = encode(pair.tokenizer, text)
-        return engine.generate(ids, make_policy(spec["policy"], **knobs), settings.max_tokens,
-                               sampling, seed=seed)  # fmt: skip
+        return engine.generate(
+            ids, make_policy(spec["policy"], **knobs), settings.max_tokens, sampling, seed=seed
+        )
 
     one(0, texts[0])  # warm-up
     latencies, outputs = [], []
@@ -100,8 +106,14 @@ def bench_in_process(pair: ModelPair, texts: list[str], settings: ServeBenchSett
         outputs.append(one(seed, text))
         latencies.append(time.perf_counter() - t0)
     seconds = time.perf_counter() - started
-    return Side("in-process (sequential)", latencies, sum(len(g.tokens) for g in outputs),
-                seconds, 0, [g.text for g in outputs])  # fmt: skip
+    return Side(
+        "in-process (sequential)",
+        latencies,
+        sum(len(g.tokens) for g in outputs),
+        seconds,
+        0,
+        [g.text for g in outputs],
+    )
 
 
 def bench_endpoint(url: str, texts: list[str], settings: ServeBenchSettings) -> Side:
@@ -109,9 +121,13 @@ def bench_endpoint(url: str, texts: list[str], settings: ServeBenchSettings) -> 
     import httpx
 
     def body(seed: int, text: str) -> dict:
-        return {"prompt": text, "max_tokens": settings.max_tokens,
-                "temperature": settings.temperature, "seed": seed,
-                "speculation": settings.speculation}  # fmt: skip
+        return {
+            "prompt": text,
+            "max_tokens": settings.max_tokens,
+            "temperature": settings.temperature,
+            "seed": seed,
+            "speculation": settings.speculation,
+        }
 
     def one(item: tuple[int, str]) -> tuple[float, dict | None]:
         t0 = time.perf_counter()
@@ -132,9 +148,14 @@ def bench_endpoint(url: str, texts: list[str], settings: ServeBenchSettings) -> 
     seconds = time.perf_counter() - started
     outs = [out for _, out in results]
     tokens = sum(o["usage"]["completion_tokens"] for o in outs if o)
-    return Side(f"endpoint ({settings.concurrency} clients)", [t for t, _ in results], tokens,
-                seconds, sum(o is None for o in outs),
-                [o["choices"][0]["text"] if o else None for o in outs])  # fmt: skip
+    return Side(
+        f"endpoint ({settings.concurrency} clients)",
+        [t for t, _ in results],
+        tokens,
+        seconds,
+        sum(o is None for o in outs),
+        [o["choices"][0]["text"] if o else None for o in outs],
+    )
 
 
 def _free_port() -> int:
@@ -152,14 +173,29 @@ def serve_on_loopback() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def app_args(target: str, draft: str, device: str, dtype: str, experts_implementation: str,
-             replica_cpus: float, max_tokens: int, **extra: Any) -> dict[str, Any]:  # fmt: skip
+def app_args(
+    target: str,
+    draft: str,
+    device: str,
+    dtype: str,
+    experts_implementation: str,
+    replica_cpus: float,
+    max_tokens: int,
+    **extra: Any,
+) -> dict[str, Any]:
     """``build_app`` arguments for a benchmark replica of these models (``extra``: any other
     ``serving.settings.AppArgs`` field)."""
-    return {"target": target, "draft": draft, "device": device, "dtype": dtype,
-            "experts_implementation": experts_implementation, "num_cpus": replica_cpus,
-            "num_gpus": 1 if torch.cuda.is_available() else 0,
-            "max_tokens_limit": max(1024, max_tokens), **extra}  # fmt: skip
+    return {
+        "target": target,
+        "draft": draft,
+        "device": device,
+        "dtype": dtype,
+        "experts_implementation": experts_implementation,
+        "num_cpus": replica_cpus,
+        "num_gpus": 1 if torch.cuda.is_available() else 0,
+        "max_tokens_limit": max(1024, max_tokens),
+        **extra,
+    }
 
 
 def deploy(args: dict[str, Any], name: str, url: str, deadline_s: float = 300.0) -> None:
@@ -187,9 +223,20 @@ def deploy(args: dict[str, Any], name: str, url: str, deadline_s: float = 300.0)
 def start_endpoint(settings: ServeBenchSettings) -> str:
     """Serve on a free local port in the connected Ray cluster; returns its URL."""
     url = serve_on_loopback()
-    deploy(app_args(settings.target, settings.draft, settings.device, settings.dtype,
-                    settings.experts_implementation, settings.replica_cpus, settings.max_tokens,
-                    max_batch=settings.max_batch), "bench-serve", url)  # fmt: skip
+    deploy(
+        app_args(
+            settings.target,
+            settings.draft,
+            settings.device,
+            settings.dtype,
+            settings.experts_implementation,
+            settings.replica_cpus,
+            settings.max_tokens,
+            max_batch=settings.max_batch,
+        ),
+        "bench-serve",
+        url,
+    )
     return url
 
 
@@ -201,8 +248,13 @@ def run_serve_bench(
 ) -> ServeBenchResult:
     """The in-process side first (its model pair is freed before the endpoint starts), then the
     endpoint at ``url``, or, without one, an endpoint started here inside ``ray_session()``."""
-    pair = load_pair(settings.target, settings.draft, settings.device, settings.dtype,
-                     settings.experts_implementation)  # fmt: skip
+    pair = load_pair(
+        settings.target,
+        settings.draft,
+        settings.device,
+        settings.dtype,
+        settings.experts_implementation,
+    )
     if pair.device.type == "cpu":
         torch.set_num_threads(max(1, int(settings.replica_cpus)))  # as many threads as a replica
     local = bench_in_process(pair, texts, settings)
@@ -224,13 +276,22 @@ def run_serve_bench(
 def format_serve_bench(result: ServeBenchResult, source: str) -> str:
     """A row per side, the throughput ratio and, at T=0, the prompts with identical text."""
     s, local, remote = result.settings, result.local, result.remote
-    lines = ["", f"{len(local.texts)} {source} prompts x {s.max_tokens} tokens, "
-             f"T={s.temperature:g}, speculation {json.dumps(s.speculation)}, "
-             f"endpoint {result.url}", ""]  # fmt: skip
-    lines.append(f"{'':<28}{'requests':>9}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-                 f"{'errors':>8}")  # fmt: skip
-    lines += [local.row(), remote.row(), "", f"throughput, endpoint / in-process: "
-              f"{result.ratio:.2f}x"]  # fmt: skip
+    lines = [
+        "",
+        f"{len(local.texts)} {source} prompts x {s.max_tokens} tokens, "
+        f"T={s.temperature:g}, speculation {json.dumps(s.speculation)}, "
+        f"endpoint {result.url}",
+        "",
+    ]
+    lines.append(
+        f"{'':<28}{'requests':>9}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}"
+    )
+    lines += [
+        local.row(),
+        remote.row(),
+        "",
+        f"throughput, endpoint / in-process: {result.ratio:.2f}x",
+    ]
     if s.temperature == 0:
         same = sum(a == b for a, b in zip(local.texts, remote.texts, strict=True))
         lines.append(f"identical greedy text: {same}/{len(local.texts)} prompts")

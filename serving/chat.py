@@ -38,8 +38,9 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         # Templates refuse conversations they cannot render (e.g. roles that do not alternate)
         # by raising; the reason is the client's to fix.
-        raise RequestError(f"messages: the model's chat template refused them: {exc}",
-                           "messages") from None  # fmt: skip
+        raise RequestError(
+            f"messages: the model's chat template refused them: {exc}", "messages"
+        ) from None
     if not isinstance(text, str):  # a template renders one string for one conversation
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
     return text

@@ -18,8 +18,9 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
             raise RequestError(
                 f"{param}[{j}]: token id {tok!r} is out of range; the model's vocabulary has "
-                f"{vocab_size} tokens (ids 0 to {vocab_size - 1})", f"{param}[{j}]",
-            )  # fmt: skip
+                f"{vocab_size} tokens (ids 0 to {vocab_size - 1})",
+                f"{param}[{j}]",
+            )
 
 
 def check_lengths(
@@ -37,8 +38,9 @@ def check_lengths(
     step may run that far beyond max_tokens); they must fit the context too, or a model with
     learned positions would index past its table."""
     full, context = context, context - lookahead
-    ahead = f" less the {lookahead} positions a step of this policy looks ahead" if lookahead \
-        else ""  # fmt: skip
+    ahead = (
+        f" less the {lookahead} positions a step of this policy looks ahead" if lookahead else ""
+    )
     limit, mt = min(max_tokens_limit, context - 1), max_tokens_param
     if max_tokens < 1:
         raise RequestError(f"{mt} must be >= 1, got {max_tokens}", mt)
@@ -51,8 +53,9 @@ def check_lengths(
             f"{prompt_param} is {prompt_tokens} tokens and {mt} is {max_tokens}: together "
             f"they exceed the context of {full} tokens{ahead} (at most "
             f"{context - max_tokens} prompt tokens with this {mt})",
-            prompt_param, code="context_length_exceeded",
-        )  # fmt: skip
+            prompt_param,
+            code="context_length_exceeded",
+        )
 
 
 def resolve_max_tokens(
@@ -69,9 +72,15 @@ def resolve_max_tokens(
     OpenAI: no limit means "until the context is full")."""
     requested = req.requested_max_tokens
     if requested is not None:
-        check_lengths(prompt_tokens, requested, context, max_tokens_limit,
-                      prompt_param=prompt_param, max_tokens_param=req.max_tokens_param,
-                      lookahead=lookahead)  # fmt: skip
+        check_lengths(
+            prompt_tokens,
+            requested,
+            context,
+            max_tokens_limit,
+            prompt_param=prompt_param,
+            max_tokens_param=req.max_tokens_param,
+            lookahead=lookahead,
+        )
         return requested
     if prompt_tokens == 0:
         raise RequestError(f"{prompt_param} has no tokens", prompt_param)
@@ -80,8 +89,12 @@ def resolve_max_tokens(
         raise RequestError(
             f"{prompt_param} is {prompt_tokens} tokens: it leaves no room to generate in the "
             f"context of {context} tokens"
-            + (f" less the {lookahead} positions a step of this policy looks ahead"
-               if lookahead else ""),
-            prompt_param, code="context_length_exceeded",
-        )  # fmt: skip
+            + (
+                f" less the {lookahead} positions a step of this policy looks ahead"
+                if lookahead
+                else ""
+            ),
+            prompt_param,
+            code="context_length_exceeded",
+        )
     return room

@@ -31,8 +31,12 @@ class RequestError(Exception):
     ):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = (
-            message, param, status, code, kind,
-        )  # fmt: skip
+            message,
+            param,
+            status,
+            code,
+            kind,
+        )
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.param, self.code, self.kind)

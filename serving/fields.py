@@ -67,20 +67,29 @@ def check_prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     if isinstance(value, str):
         return check_text(value)
     if not isinstance(value, list):
-        raise FieldError((), "expected a string, a list of strings, a list of token ids or a "
-                             f"list of lists of token ids, got {describe(value)}")  # fmt: skip
+        raise FieldError(
+            (),
+            "expected a string, a list of strings, a list of token ids or a "
+            f"list of lists of token ids, got {describe(value)}",
+        )
     if not value:
         raise FieldError((), "must not be empty")
     kind = _kind(value[0])
     if kind is None:
-        raise FieldError((0,), "expected a string, a token id (integer) or a list of token "
-                               f"ids, got {describe(value[0])}")  # fmt: skip
+        raise FieldError(
+            (0,),
+            "expected a string, a token id (integer) or a list of token "
+            f"ids, got {describe(value[0])}",
+        )
     if kind is int:
         return _token_ids(value, ())
     for i, item in enumerate(value):
         if _kind(item) is not kind:
-            raise FieldError((i,), f"expected {_ITEM[kind]} like prompt[0] (all prompts of one "
-                                   f"kind), got {describe(item)}")  # fmt: skip
+            raise FieldError(
+                (i,),
+                f"expected {_ITEM[kind]} like prompt[0] (all prompts of one "
+                f"kind), got {describe(item)}",
+            )
         if kind is str:
             check_text(item, (i,))
         else:

@@ -67,9 +67,19 @@ async def run(worker: DecodeWorker, job: Job) -> AsyncIterator[tuple[int, str | 
         def deliver(item: Any, index: int = choice.index) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (index, item))
 
-        tasks.append(DecodeTask(choice.prompt_ids, job.make_policy(), job.max_tokens,
-                                job.sampling, choice.seed, job.stops, job.deadline,
-                                deliver, job.cid))  # fmt: skip
+        tasks.append(
+            DecodeTask(
+                choice.prompt_ids,
+                job.make_policy(),
+                job.max_tokens,
+                job.sampling,
+                choice.seed,
+                job.stops,
+                job.deadline,
+                deliver,
+                job.cid,
+            )
+        )
     try:
         for task in tasks:
             try:
@@ -98,16 +108,27 @@ def _stats(job: Job, results: dict[int, Generation]) -> dict:
     return speculation_stats(job.policy_name, job.knobs, steps)
 
 
-def _body(job: Job, choices: list[dict], *, chunk: bool, usage_: dict | None = None,
-          speculation: dict | None = None) -> dict:  # fmt: skip
+def _body(
+    job: Job,
+    choices: list[dict],
+    *,
+    chunk: bool,
+    usage_: dict | None = None,
+    speculation: dict | None = None,
+) -> dict:
     build = chat_body if job.kind == "chat" else completion_choices_body
-    return build(job.cid, job.created, job.model, choices, chunk=chunk, usage=usage_,
-                 speculation=speculation)  # fmt: skip
+    return build(
+        job.cid, job.created, job.model, choices, chunk=chunk, usage=usage_, speculation=speculation
+    )
 
 
 def _shutting_down() -> RequestError:
-    return RequestError("the replica is shutting down; retry the request", status=503,
-                        code="shutting_down", kind="server_error")  # fmt: skip
+    return RequestError(
+        "the replica is shutting down; retry the request",
+        status=503,
+        code="shutting_down",
+        kind="server_error",
+    )
 
 
 def _check_not_shut_down(worker: DecodeWorker, result: Generation) -> None:
@@ -124,11 +145,18 @@ async def respond(worker: DecodeWorker, job: Job) -> tuple[dict, dict[int, Gener
             if isinstance(item, Generation):
                 _check_not_shut_down(worker, item)
                 results[index] = item
-    choices = [{"index": i, "text": results[i].text, "finish_reason": results[i].finish_reason}
-               for i in sorted(results)]  # fmt: skip
+    choices = [
+        {"index": i, "text": results[i].text, "finish_reason": results[i].finish_reason}
+        for i in sorted(results)
+    ]
     completion = sum(len(g.tokens) for g in results.values())
-    return _body(job, choices, chunk=False, usage_=usage(job.prompt_tokens(), completion),
-                 speculation=_stats(job, results)), results  # fmt: skip
+    return _body(
+        job,
+        choices,
+        chunk=False,
+        usage_=usage(job.prompt_tokens(), completion),
+        speculation=_stats(job, results),
+    ), results
 
 
 async def stream(
@@ -147,18 +175,23 @@ async def stream(
                 choice: dict[str, Any] = {"index": index, "role_first": index not in started}
                 started.add(index)
                 if not isinstance(item, Generation):
-                    yield sse(_body(job, [{**choice, "text": item, "finish_reason": None}],
-                                    chunk=True))  # fmt: skip
+                    yield sse(
+                        _body(job, [{**choice, "text": item, "finish_reason": None}], chunk=True)
+                    )
                     continue
                 _check_not_shut_down(worker, item)
                 results[index] = item
                 last = len(results) == len(job.choices)
                 tokens = sum(len(g.tokens) for g in results.values())
-                yield sse(_body(
-                    job, [{**choice, "text": "", "finish_reason": item.finish_reason}],
-                    chunk=True, usage_=usage(job.prompt_tokens(), tokens) if last else None,
-                    speculation=_stats(job, results) if last else None,
-                ))  # fmt: skip
+                yield sse(
+                    _body(
+                        job,
+                        [{**choice, "text": "", "finish_reason": item.finish_reason}],
+                        chunk=True,
+                        usage_=usage(job.prompt_tokens(), tokens) if last else None,
+                        speculation=_stats(job, results) if last else None,
+                    )
+                )
         status = 200
     except RequestError as exc:
         status = exc.status

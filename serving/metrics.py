@@ -35,19 +35,53 @@ PREFIX = "specbound_"
 OTHER = "other"
 ROUTES = frozenset({"completions", "chat", "models", "healthz"})
 # A route may also be given as its path.
-PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
-         "/v1/models": "models", "/healthz": "healthz"}  # fmt: skip
+PATHS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/models": "models",
+    "/healthz": "healthz",
+}
 # The engine's reasons ("cancelled": the client went away, "deadline": the request's time ran
 # out) and "error" for a generation that failed.
 FINISH_REASONS = frozenset({"length", "eos", "stop", "cancelled", "deadline", "error"})
 
-LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                     120.0, 300.0]  # fmt: skip
+LATENCY_BUCKETS_S = [
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+]
 ACCEPTANCE_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 # Mean unique experts per MoE layer in one verification pass: from 1 (every position routed to
 # the same experts) up to the layer's expert count (tens to a few hundred).
-EXPERT_BUCKETS = [1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 192.0,
-                  256.0]  # fmt: skip
+EXPERT_BUCKETS = [
+    1.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+    12.0,
+    16.0,
+    24.0,
+    32.0,
+    48.0,
+    64.0,
+    96.0,
+    128.0,
+    192.0,
+    256.0,
+]
 # Well under the agent's gauge lifetime (2 report intervals: 20 s by default).
 GAUGE_REFRESH_S = 5.0
 
@@ -60,8 +94,10 @@ def bounded(value: str, allowed: Iterable[str]) -> str:
 def prometheus_url(node_index: int = 0) -> str:
     """The Prometheus endpoint of a live node's Ray metrics agent, the head first (this process
     must be connected to the cluster). Every node has its own; a local cluster has one."""
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]),
-                   key=lambda n: "node:__internal_head__" not in n["Resources"])  # fmt: skip
+    nodes = sorted(
+        (n for n in ray.nodes() if n["Alive"]),
+        key=lambda n: "node:__internal_head__" not in n["Resources"],
+    )
     node = nodes[node_index]
     return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
@@ -69,13 +105,21 @@ def prometheus_url(node_index: int = 0) -> str:
 def start_ray_with_metrics(num_cpus: int | None = None, report_interval_ms: int = 1000) -> str:
     """A fresh local Ray cluster whose processes report metrics every ``report_interval_ms``
     (Ray's default, 10 s, makes a test wait that long for each value); its Prometheus URL."""
-    ray.init(address="local", num_cpus=num_cpus, log_to_driver=True,
-             _system_config={"metrics_report_interval_ms": report_interval_ms})  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        log_to_driver=True,
+        _system_config={"metrics_report_interval_ms": report_interval_ms},
+    )
     return prometheus_url()
 
 
-def scrape_metrics(names: Iterable[str], timeout_s: float = 60, url: str | None = None,
-                   contains: Iterable[str] = ()) -> str:  # fmt: skip
+def scrape_metrics(
+    names: Iterable[str],
+    timeout_s: float = 60,
+    url: str | None = None,
+    contains: Iterable[str] = (),
+) -> str:
     """The Prometheus text of ``url`` (default: this cluster's first node) once every one of
     ``names`` has a sample (a histogram's base name matches its _bucket/_count/_sum series)
     and the text holds every string of ``contains`` (labels: a replica exports its samples
@@ -86,8 +130,11 @@ def scrape_metrics(names: Iterable[str], timeout_s: float = 60, url: str | None 
     deadline = time.monotonic() + timeout_s
     while True:
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        found = {line.split("{", 1)[0].split(" ", 1)[0]
-                 for line in text.splitlines() if line and not line.startswith("#")}  # fmt: skip
+        found = {
+            line.split("{", 1)[0].split(" ", 1)[0]
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
         missing = {n for n in wanted if not found & {n, n + "_bucket", n + "_total"}}
         missing |= {s for s in contains if s not in text}
         if not missing:
@@ -111,35 +158,52 @@ class ServingMetrics:
             return Histogram(PREFIX + name, description=doc, boundaries=buckets, tag_keys=tags)
 
         self.requests = counter("requests", "HTTP requests answered", "route", "status")
-        self.latency = histogram("request_latency_seconds",
-                                 "Time from request arrival to the end of the response",
-                                 LATENCY_BUCKETS_S, "route", "status")  # fmt: skip
-        self.generations = counter("generations", "Generations ended, by finish reason",
-                                   "policy", "finish_reason")  # fmt: skip
+        self.latency = histogram(
+            "request_latency_seconds",
+            "Time from request arrival to the end of the response",
+            LATENCY_BUCKETS_S,
+            "route",
+            "status",
+        )
+        self.generations = counter(
+            "generations", "Generations ended, by finish reason", "policy", "finish_reason"
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of generations", "policy")
         self.completion_tokens = counter("completion_tokens", "Tokens generated", "policy")
         self.drafted = counter("drafted_tokens", "Tokens the draft proposed", "policy")
         self.accepted = counter("accepted_tokens", "Draft tokens the target accepted", "policy")
-        self.steps = counter("verification_steps", "Target verification passes (engine steps)",
-                             "policy")  # fmt: skip
-        self.verified = counter("verified_positions",
-                                "Positions in verification passes, the root included",
-                                "policy")  # fmt: skip
+        self.steps = counter(
+            "verification_steps", "Target verification passes (engine steps)", "policy"
+        )
+        self.verified = counter(
+            "verified_positions", "Positions in verification passes, the root included", "policy"
+        )
         self.draft_seconds = counter("draft_seconds", "Time spent drafting", "policy")
         self.verify_seconds = counter("verify_seconds", "Time spent verifying", "policy")
         # Counter and histogram: the exact mean, and the distribution.
-        self.experts_sum = counter("unique_experts", "Sum over verification passes of the "
-                                   "mean unique experts per MoE layer", "policy")  # fmt: skip
-        self.unique_experts = histogram("unique_experts_per_verification",
-                                        "Mean over MoE layers of the unique experts one "
-                                        "verification pass routes to",
-                                        EXPERT_BUCKETS, "policy")  # fmt: skip
-        self.acceptance = histogram("acceptance_rate",
-                                    "Accepted / drafted tokens of one generation",
-                                    ACCEPTANCE_BUCKETS, "policy")  # fmt: skip
-        self.ttft = histogram("time_to_first_token_seconds",
-                              "Time from request arrival to the first generated text",
-                              LATENCY_BUCKETS_S, "policy")  # fmt: skip
+        self.experts_sum = counter(
+            "unique_experts",
+            "Sum over verification passes of the mean unique experts per MoE layer",
+            "policy",
+        )
+        self.unique_experts = histogram(
+            "unique_experts_per_verification",
+            "Mean over MoE layers of the unique experts one verification pass routes to",
+            EXPERT_BUCKETS,
+            "policy",
+        )
+        self.acceptance = histogram(
+            "acceptance_rate",
+            "Accepted / drafted tokens of one generation",
+            ACCEPTANCE_BUCKETS,
+            "policy",
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Time from request arrival to the first generated text",
+            LATENCY_BUCKETS_S,
+            "policy",
+        )
         self.queue_depth = Gauge(
             PREFIX + "queue_depth", description="Generations in flight on the decoding thread"
         )
@@ -152,8 +216,9 @@ class ServingMetrics:
         self._closed = threading.Event()
         self.queue(0)
         self.stalled(False)
-        threading.Thread(target=self._refresh, args=(gauge_refresh_s,), daemon=True,
-                         name="metrics-gauges").start()  # fmt: skip
+        threading.Thread(
+            target=self._refresh, args=(gauge_refresh_s,), daemon=True, name="metrics-gauges"
+        ).start()
 
     def request(self, route: str, status: int, latency_s: float) -> None:
         tags = {"route": bounded(PATHS.get(route, route), ROUTES), "status": str(int(status))}

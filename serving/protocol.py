@@ -89,8 +89,10 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     _NEUTRAL: ClassVar[dict[str, tuple]] = {
-        "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": (None, {}),
-    }  # fmt: skip
+        "frequency_penalty": (0,),
+        "presence_penalty": (0,),
+        "logit_bias": (None, {}),
+    }
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -137,9 +139,12 @@ class CompletionRequest(_Request):
     """POST /v1/completions. Defaults follow OpenAI (max_tokens 16, temperature 1)."""
 
     _NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_Request._NEUTRAL, "echo": (False,), "logprobs": (None,), "best_of": (None, 1),
+        **_Request._NEUTRAL,
+        "echo": (False,),
+        "logprobs": (None,),
+        "best_of": (None, 1),
         "suffix": (None, ""),
-    }  # fmt: skip
+    }
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
@@ -180,10 +185,14 @@ class ChatCompletionRequest(_Request):
     optional, as at OpenAI: without them the server's default applies."""
 
     _NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_Request._NEUTRAL, "logprobs": (None, False), "top_logprobs": (None,),
-        "response_format": (None, {"type": "text"}), "tools": (None, []),
-        "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-    }  # fmt: skip
+        **_Request._NEUTRAL,
+        "logprobs": (None, False),
+        "top_logprobs": (None,),
+        "response_format": (None, {"type": "text"}),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None,),
+    }
 
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -266,16 +275,18 @@ async def read_json(request: Request, limit: int) -> Any:
         if int(declared) > limit:
             raise RequestError(
                 f"request body is {int(declared)} bytes; the limit is {limit} bytes",
-                status=413, code="request_too_large",
-            )  # fmt: skip
+                status=413,
+                code="request_too_large",
+            )
     body = bytearray()
     async for chunk in request.stream():  # chunked bodies have no Content-Length
         body += chunk
         if len(body) > limit:
             raise RequestError(
                 f"request body exceeds the limit of {limit} bytes",
-                status=413, code="request_too_large",
-            )  # fmt: skip
+                status=413,
+                code="request_too_large",
+            )
     if not body:
         raise RequestError("request body is empty; send a JSON object")
     try:

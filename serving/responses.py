@@ -18,9 +18,12 @@ from typing import Any
 # The engine's finish reason -> the response's. "cancelled" only reaches a client when the
 # server cancels (a gone client reads nothing).
 FINISH_REASONS = {
-    "eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop",
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "cancelled": "stop",
     "deadline": "deadline",
-}  # fmt: skip
+}
 
 
 def new_completion_id() -> str:
@@ -47,11 +50,23 @@ def _finish(reason: str | None) -> str | None:
     return FINISH_REASONS.get(reason, reason) if reason is not None else None
 
 
-def _envelope(cid: str, obj: str, created: int, model: str, choices: list[dict], chunk: bool,
-              usage: dict | None, speculation: dict | None) -> dict:  # fmt: skip
+def _envelope(
+    cid: str,
+    obj: str,
+    created: int,
+    model: str,
+    choices: list[dict],
+    chunk: bool,
+    usage: dict | None,
+    speculation: dict | None,
+) -> dict:
     body: dict[str, Any] = {
-        "id": cid, "object": obj, "created": created, "model": model, "choices": choices,
-    }  # fmt: skip
+        "id": cid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if usage is not None or not chunk:  # a whole body always has usage; chunks the last one
         body["usage"] = usage
     if speculation is not None:
@@ -70,12 +85,15 @@ def completion_choices_body(
     speculation: dict | None = None,
 ) -> dict:
     """A text_completion object (a stream chunk has the same shape, texts being deltas)."""
-    out = [{
-        "index": c["index"],
-        "text": c.get("text") or "",
-        "logprobs": None,
-        "finish_reason": _finish(c.get("finish_reason")),
-    } for c in choices]  # fmt: skip
+    out = [
+        {
+            "index": c["index"],
+            "text": c.get("text") or "",
+            "logprobs": None,
+            "finish_reason": _finish(c.get("finish_reason")),
+        }
+        for c in choices
+    ]
     return _envelope(cid, "text_completion", created, model, out, chunk, usage, speculation)
 
 

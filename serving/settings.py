@@ -54,5 +54,9 @@ class AppArgs(BaseModel):
     allow_costmodel_mismatch: bool = False
 
     def step_limits(self) -> StepLimits:
-        return StepLimits(self.max_draft_forwards_per_step, self.max_draft_tokens_per_step,
-                          self.max_verified_per_step, self.max_tree_nodes_per_step)  # fmt: skip
+        return StepLimits(
+            self.max_draft_forwards_per_step,
+            self.max_draft_tokens_per_step,
+            self.max_verified_per_step,
+            self.max_tree_nodes_per_step,
+        )

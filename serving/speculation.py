@@ -65,8 +65,11 @@ def build_policy(
         if problem:
             raise RequestError(problem, param)
         if spec.type is not bool and spec.high is not None and value > spec.high:
-            why = " (one step would draft or verify too many tokens)" if (
-                spec.type is int and spec.high == MAX_STEP_KNOB) else ""  # fmt: skip
+            why = (
+                " (one step would draft or verify too many tokens)"
+                if (spec.type is int and spec.high == MAX_STEP_KNOB)
+                else ""
+            )
             raise RequestError(
                 f"knob '{key}' = {value} is too large: it must be <= {spec.high:g}{why}", param
             )
@@ -78,8 +81,12 @@ def build_policy(
     except ValueError as exc:
         raise RequestError(str(exc), "speculation") from None
     if POLICIES[name].needs_artifacts and artifacts is None and unavailable:
-        raise RequestError(f"policy '{name}' is unavailable on this server: {unavailable}",
-                           "speculation", status=500, kind="server_error")  # fmt: skip
+        raise RequestError(
+            f"policy '{name}' is unavailable on this server: {unavailable}",
+            "speculation",
+            status=500,
+            kind="server_error",
+        )
     try:
         return make_policy(name, artifacts, **knobs)
     except ValueError as exc:
@@ -88,8 +95,10 @@ def build_policy(
         log.warning("cannot build policy %r: %s: %s", name, type(exc).__name__, exc)
         raise RequestError(
             f"policy '{name}' is unavailable on this server: {type(exc).__name__}: {exc}",
-            "speculation", status=500, kind="server_error",
-        ) from None  # fmt: skip
+            "speculation",
+            status=500,
+            kind="server_error",
+        ) from None
 
 
 def policy_names() -> list[str]:

@@ -58,10 +58,18 @@ class SweepSettings:
         # Serve must let every client's request onto the replica, or it (not max_batch) would
         # cap what the replica can batch; both modes get the same cap, like for like.
         ongoing = max(8, self.max_batch, *self.concurrency)
-        return app_args(self.target, self.draft, self.device, self.dtype,
-                        self.experts_implementation, self.replica_cpus, self.max_tokens,
-                        max_batch=self.max_batch if mode == "batched" else 1,
-                        max_ongoing_requests=ongoing, request_timeout_s=self.timeout_s)  # fmt: skip
+        return app_args(
+            self.target,
+            self.draft,
+            self.device,
+            self.dtype,
+            self.experts_implementation,
+            self.replica_cpus,
+            self.max_tokens,
+            max_batch=self.max_batch if mode == "batched" else 1,
+            max_ongoing_requests=ongoing,
+            request_timeout_s=self.timeout_s,
+        )
 
 
 def policy_label(spec: dict[str, Any]) -> str:
@@ -101,13 +109,21 @@ class Cell:
         ok = [o for o in self.outcomes if o.error is None]
         lat = [o.latency for o in ok]
         ttft = [o.ttft for o in ok if o.ttft is not None]
-        return {"mode": self.mode, "concurrency": self.concurrency, "policy": self.policy,
-                "requests": len(self.outcomes), "errors": len(self.outcomes) - len(ok),
-                "seconds": self.seconds, "req_s": len(ok) / self.seconds,
-                "out_tok_s": sum(o.tokens for o in ok) / self.seconds,
-                "out_tokens": sum(o.tokens for o in ok),
-                "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
-                "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99)}  # fmt: skip
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "policy": self.policy,
+            "requests": len(self.outcomes),
+            "errors": len(self.outcomes) - len(ok),
+            "seconds": self.seconds,
+            "req_s": len(ok) / self.seconds,
+            "out_tok_s": sum(o.tokens for o in ok) / self.seconds,
+            "out_tokens": sum(o.tokens for o in ok),
+            "p50_ms": _pct(lat, 50),
+            "p99_ms": _pct(lat, 99),
+            "ttft_p50_ms": _pct(ttft, 50),
+            "ttft_p99_ms": _pct(ttft, 99),
+        }
 
 
 @dataclass(frozen=True)
@@ -128,9 +144,13 @@ class SweepResult:
             s = by.get(("single", c, policy))
             if mode != "batched" or s is None:
                 continue
-            out.append({"concurrency": c, "policy": policy} | {
-                f"{k}_x": b[k] / s[k] if s[k] else float("nan")
-                for k in ("req_s", "out_tok_s", "p50_ms", "ttft_p50_ms")})  # fmt: skip
+            out.append(
+                {"concurrency": c, "policy": policy}
+                | {
+                    f"{k}_x": b[k] / s[k] if s[k] else float("nan")
+                    for k in ("req_s", "out_tok_s", "p50_ms", "ttft_p50_ms")
+                }
+            )
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -145,8 +165,13 @@ class SweepResult:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"settings": asdict(self.settings), "url": self.url, "prompts": self.prompts,
-                "rows": self.rows(), "ratios": self.ratios()}  # fmt: skip
+        return {
+            "settings": asdict(self.settings),
+            "url": self.url,
+            "prompts": self.prompts,
+            "rows": self.rows(),
+            "ratios": self.ratios(),
+        }
 
 
 async def stream_one(client: Any, url: str, body: dict[str, Any]) -> Outcome:
@@ -186,19 +211,27 @@ async def stream_one(client: Any, url: str, body: dict[str, Any]) -> Outcome:
 
 
 def _body(settings: SweepSettings, seed: int, text: str, spec: dict[str, Any]) -> dict:
-    return {"prompt": text, "max_tokens": settings.max_tokens, "stream": True,
-            "temperature": settings.temperature, "seed": seed, "speculation": spec}  # fmt: skip
+    return {
+        "prompt": text,
+        "max_tokens": settings.max_tokens,
+        "stream": True,
+        "temperature": settings.temperature,
+        "seed": seed,
+        "speculation": spec,
+    }
 
 
-async def run_cell(url: str, texts: list[str], spec: dict[str, Any], concurrency: int,
-                   settings: SweepSettings) -> tuple[float, list[Outcome]]:  # fmt: skip
+async def run_cell(
+    url: str, texts: list[str], spec: dict[str, Any], concurrency: int, settings: SweepSettings
+) -> tuple[float, list[Outcome]]:
     """``concurrency`` clients posting every prompt once; (wall seconds, outcome per prompt)."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     outcomes: list[Outcome | None] = [None] * len(texts)
-    async with httpx.AsyncClient(timeout=settings.timeout_s, limits=limits,
-                                 trust_env=False) as client:  # fmt: skip
+    async with httpx.AsyncClient(
+        timeout=settings.timeout_s, limits=limits, trust_env=False
+    ) as client:
 
         async def one_client(c: int) -> None:
             for i in range(c, len(texts), concurrency):
@@ -241,8 +274,9 @@ def run_sweep(
                     for spec in settings.policies:
                         cell = run_cell(url, texts, spec, concurrency, settings)
                         seconds, outcomes = asyncio.run(cell)
-                        cells.append(Cell(mode, concurrency, policy_label(spec), seconds,
-                                          tuple(outcomes)))  # fmt: skip
+                        cells.append(
+                            Cell(mode, concurrency, policy_label(spec), seconds, tuple(outcomes))
+                        )
                         report(cells[-1])
                 serve.delete(name)
         finally:
@@ -250,30 +284,45 @@ def run_sweep(
     return SweepResult(settings, url, len(texts), tuple(cells))
 
 
-HEADER = (f"{'mode':<9}{'clients':>8}  {'policy':<18}{'requests':>9}{'errors':>7}{'req/s':>8}"
-          f"{'out tok/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'TTFT p50':>9}{'TTFT p99':>9}")  # fmt: skip
+HEADER = (
+    f"{'mode':<9}{'clients':>8}  {'policy':<18}{'requests':>9}{'errors':>7}{'req/s':>8}"
+    f"{'out tok/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
+)
 
 
 def format_row(r: dict[str, Any]) -> str:
-    return (f"{r['mode']:<9}{r['concurrency']:>8}  {r['policy']:<18}{r['requests']:>9}"
-            f"{r['errors']:>7}{r['req_s']:>8.2f}{r['out_tok_s']:>10.1f}{r['p50_ms']:>8.0f}"
-            f"{r['p99_ms']:>8.0f}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}")  # fmt: skip
+    return (
+        f"{r['mode']:<9}{r['concurrency']:>8}  {r['policy']:<18}{r['requests']:>9}"
+        f"{r['errors']:>7}{r['req_s']:>8.2f}{r['out_tok_s']:>10.1f}{r['p50_ms']:>8.0f}"
+        f"{r['p99_ms']:>8.0f}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}"
+    )
 
 
 def format_sweep(result: SweepResult, source: str) -> str:
     """The table of every cell, then batched / single per (concurrency, policy)."""
     s = result.settings
-    lines = ["", f"{result.prompts} {source} prompts x {s.max_tokens} tokens, "
-             f"T={s.temperature:g}, streamed, batched max_batch={s.max_batch}, "
-             f"endpoint {result.url}", "", HEADER]  # fmt: skip
+    lines = [
+        "",
+        f"{result.prompts} {source} prompts x {s.max_tokens} tokens, "
+        f"T={s.temperature:g}, streamed, batched max_batch={s.max_batch}, "
+        f"endpoint {result.url}",
+        "",
+        HEADER,
+    ]
     lines += [format_row(r) for r in result.rows()]
     ratios = result.ratios()
     if ratios:
-        lines += ["", "batched / single", f"{'clients':>8}  {'policy':<18}{'req/s':>8}"
-                  f"{'out tok/s':>10}{'p50 lat':>9}{'p50 TTFT':>9}"]  # fmt: skip
-        lines += [f"{r['concurrency']:>8}  {r['policy']:<18}{r['req_s_x']:>7.2f}x"
-                  f"{r['out_tok_s_x']:>9.2f}x{r['p50_ms_x']:>8.2f}x{r['ttft_p50_ms_x']:>8.2f}x"
-                  for r in ratios]  # fmt: skip
+        lines += [
+            "",
+            "batched / single",
+            f"{'clients':>8}  {'policy':<18}{'req/s':>8}"
+            f"{'out tok/s':>10}{'p50 lat':>9}{'p50 TTFT':>9}",
+        ]
+        lines += [
+            f"{r['concurrency']:>8}  {r['policy']:<18}{r['req_s_x']:>7.2f}x"
+            f"{r['out_tok_s_x']:>9.2f}x{r['p50_ms_x']:>8.2f}x{r['ttft_p50_ms_x']:>8.2f}x"
+            for r in ratios
+        ]
     return "\n".join(lines)
 
 

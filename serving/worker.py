@@ -78,8 +78,10 @@ class DecodeWorker:
             return "the decoding thread has died"
         began = self._step_began
         if began is not None and time.monotonic() - began > self.stall_limit_s:
-            return (f"one decoding step has run for {time.monotonic() - began:.0f} s "
-                    f"(limit {self.stall_limit_s:g} s)")  # fmt: skip
+            return (
+                f"one decoding step has run for {time.monotonic() - began:.0f} s "
+                f"(limit {self.stall_limit_s:g} s)"
+            )
         return None
 
     def shutdown(self, timeout_s: float) -> bool:
@@ -150,9 +152,13 @@ def advance(engine: SpeculativeEngine, task: DecodeTask, counts: dict[str, int])
             return False
         if task.steps is None:
             task.stream = engine.stream(
-                task.prompt_ids, task.policy, task.max_tokens, task.sampling, task.seed,
+                task.prompt_ids,
+                task.policy,
+                task.max_tokens,
+                task.sampling,
+                task.seed,
                 task.stops,
-            )  # fmt: skip
+            )
             task.steps = task.stream.step_deltas(task.cancel.is_set, task.deadline)
         delta = next(task.steps)
     except StopIteration:

@@ -35,10 +35,18 @@ def tiny_draft(vocab_size: int, seed: int = 1):
 
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(
-        "qwen3", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        "qwen3",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 

@@ -94,10 +94,14 @@ class MemoDraft:
     def __call__(self, ids: torch.Tensor, past_key_values, **kw) -> Any:
         layers = past_key_values.layers
         before = [dict(vars(layer)) for layer in layers]  # kept alive: tensor ids stay unique
-        state = tuple((k, id(v) if isinstance(v, torch.Tensor) else repr(v))
-                      for b in before for k, v in b.items())  # fmt: skip
-        inputs = tuple((k, _bytes(v) if isinstance(v, torch.Tensor) else v)
-                       for k, v in sorted(kw.items()))  # fmt: skip
+        state = tuple(
+            (k, id(v) if isinstance(v, torch.Tensor) else repr(v))
+            for b in before
+            for k, v in b.items()
+        )
+        inputs = tuple(
+            (k, _bytes(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(kw.items())
+        )
         key = (state, _bytes(ids), inputs)
         hit = self.memo.get(key)
         if hit is None:
@@ -169,14 +173,21 @@ def _memo(obj: Any, shared: dict[int, Any]) -> dict[int, Any]:
 
 
 def _mark(session: DecodeSession, shared: dict[int, Any]) -> Any:
-    return (tuple(session.committed), session.target_cache.get_seq_length(), len(session.steps),
-            _state_key(session.policy, shared))  # fmt: skip
+    return (
+        tuple(session.committed),
+        session.target_cache.get_seq_length(),
+        len(session.steps),
+        _state_key(session.policy, shared),
+    )
 
 
 def _paths(
-    snapshot: DecodeSession, phase: Callable[[DecodeSession], Any], shared: dict[int, Any],
-    stats: Enumeration, draws_first: bool = False,
-) -> Iterator[tuple[float, DecodeSession, Any]]:  # fmt: skip
+    snapshot: DecodeSession,
+    phase: Callable[[DecodeSession], Any],
+    shared: dict[int, Any],
+    stats: Enumeration,
+    draws_first: bool = False,
+) -> Iterator[tuple[float, DecodeSession, Any]]:
     """Every complete path of ``phase``'s draws from ``snapshot``: (probability, the session
     after it, the phase's result). With ``draws_first`` (the phase draws before it changes
     anything, as commit does: accept() comes first) a run that branches leaves its copy as it

@@ -168,8 +168,20 @@ def test_train_acceptance_job_end_to_end(tmp_path):
     from jobs.train_acceptance import main
 
     out = tmp_path / "acceptance.json"
-    report = main(["--per-domain", "1", "--max-new-tokens", "8", "--temperatures", "0,1",
-                   "--max-m", "3", "--out", str(out)])  # fmt: skip
+    report = main(
+        [
+            "--per-domain",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--temperatures",
+            "0,1",
+            "--max-m",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     model = AcceptanceModel.load(out)
     assert set(model.modes) == {"greedy", "sampled"} and len(model.union_by_m) == 3
     assert model.meta["pair"]["draft_fingerprint"] and set(report) == {"greedy", "sampled"}
@@ -178,8 +190,9 @@ def test_train_acceptance_job_end_to_end(tmp_path):
 def test_saved_traces_carry_their_pair_and_settings(tmp_path):
     from pipeline.acceptance.traces import UnionCounts, load_traces, save_traces
 
-    trace = AcceptanceTrace("p", 1.0, np.zeros((3, W - 2)), np.array([0.5, 0.6, 0.7]),
-                            np.ones((3, 2)))  # fmt: skip
+    trace = AcceptanceTrace(
+        "p", 1.0, np.zeros((3, W - 2)), np.array([0.5, 0.6, 0.7]), np.ones((3, 2))
+    )
     meta = {"pair": {"draft_fingerprint": "sha256:x"}, "temperatures": [1.0]}
     path = tmp_path / "t.npz"
     save_traces(path, [trace], UnionCounts(np.array([4.0, 12.0]), np.array([1.0, 2.0])), meta)

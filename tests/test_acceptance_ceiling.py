@@ -48,8 +48,7 @@ def test_the_ceiling_never_loses_to_fixed_and_gains_little_at_constant_acceptanc
     assert all(res.clairvoyant <= c + 1e-9 for c in res.fixed.values())
     assert res.gain_over_best_fixed > 1.05  # knowing where acceptance drops pays
     # Prices that do not move along the text: the best fixed K is the best stationary plan.
-    flat = ceiling([np.full(200, 0.7)], lambda i: lambda k, t: 1.0 + 0.3 * k, 6,
-                   [1, 2, 3, 4, 5, 6])  # fmt: skip
+    flat = ceiling([np.full(200, 0.7)], lambda i: lambda k, t: 1.0 + 0.3 * k, 6, [1, 2, 3, 4, 5, 6])
     assert 1.0 <= flat.gain_over_best_fixed < 1.01  # only the text's end differs
 
 
@@ -58,8 +57,20 @@ def test_ceiling_job_end_to_end(tmp_path):
     from jobs.acceptance_ceiling import main
 
     traces = tmp_path / "t.npz"
-    args = ["--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1", "--max-k", "3",
-            "--fixed", "1,2", "--traces", str(traces)]  # fmt: skip
+    args = [
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--temperatures",
+        "0,1",
+        "--max-k",
+        "3",
+        "--fixed",
+        "1,2",
+        "--traces",
+        str(traces),
+    ]
     results = main(args)
     assert set(results) == {(d, t) for d in ("code", "prose", "math") for t in (0.0, 1.0)}
     assert all(r.gain_over_best_fixed >= 1.0 - 1e-9 for r in results.values())

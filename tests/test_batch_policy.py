@@ -15,8 +15,19 @@ from pipeline.cost.batch import BatchCost
 from pipeline.decode.batch_economy import BatchEconomy, expected
 from pipeline.decode.batching import BatchRecord
 
-COST = BatchCost(b0=3.0, b_pos=0.09, b_union=0.35, b_ctx=0.0015, d0=1.2, d_tok=0.2, s0=1.0,
-                 s_row=0.4, experts=32, top_k=4, union_decay=0.95)  # fmt: skip
+COST = BatchCost(
+    b0=3.0,
+    b_pos=0.09,
+    b_union=0.35,
+    b_ctx=0.0015,
+    d0=1.2,
+    d_tok=0.2,
+    s0=1.0,
+    s_row=0.4,
+    experts=32,
+    top_k=4,
+    union_decay=0.95,
+)
 
 
 def _step_ms(cost: BatchCost, ks: list[int], contexts: list[int]) -> float:
@@ -136,8 +147,20 @@ def test_too_few_steps_are_refused():
 def test_the_calibration_job_adds_the_batch_section(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     out = tmp_path / "costmodel.json"
-    calibrate_batch.main(["--limit", "3", "--batch-sizes", "1,3", "--ks", "0-2",
-                          "--max-new-tokens", "6", "--out", str(out)])  # fmt: skip
+    calibrate_batch.main(
+        [
+            "--limit",
+            "3",
+            "--batch-sizes",
+            "1,3",
+            "--ks",
+            "0-2",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     batch = BatchCost.from_json(data["batch"])
     assert batch.records > 0 and batch.experts == 32

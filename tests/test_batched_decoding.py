@@ -67,12 +67,18 @@ def test_the_slot_cache_keeps_sequences_apart(family):
     rows = [cache.acquire() for _ in seqs]
 
     def packed(parts):
-        positions = [p for r, ids in parts for p in range(cache.length[r], cache.length[r] +
-                                                           len(ids))]  # fmt: skip
+        positions = [
+            p for r, ids in parts for p in range(cache.length[r], cache.length[r] + len(ids))
+        ]
         mask = cache.plan([(r, len(ids), None) for r, ids in parts], model.dtype, pair.device)
         ids = torch.tensor([[t for _, ids in parts for t in ids]])
-        out = model(ids, past_key_values=cache, use_cache=True, attention_mask=mask,
-                    position_ids=torch.tensor([positions]))  # fmt: skip
+        out = model(
+            ids,
+            past_key_values=cache,
+            use_cache=True,
+            attention_mask=mask,
+            position_ids=torch.tensor([positions]),
+        )
         return out.logits[0]
 
     def solo(ids):
@@ -108,8 +114,9 @@ def test_every_policy_in_a_batch_decodes_plain_greedy(name, embedded):
     ids = [pair.tokenizer.encode(p) for p in PROMPTS]
     want = _plain_greedy(pair, ids, GREEDY_TOKENS)
     engine = BatchedEngine(pair)
-    got = engine.generate_many(ids, lambda: make_policy(name, artifacts), GREEDY_TOKENS,
-                               max_batch=4, stop_at_eos=False)  # fmt: skip
+    got = engine.generate_many(
+        ids, lambda: make_policy(name, artifacts), GREEDY_TOKENS, max_batch=4, stop_at_eos=False
+    )
     assert [g.tokens for g in got] == want
     records = engine.batcher.records
     assert max(r.rows for r in records) == 4
@@ -119,8 +126,9 @@ def test_every_policy_in_a_batch_decodes_plain_greedy(name, embedded):
     assert len(engine.batcher.caches["target"].free) == engine.batcher.caches["target"].rows
 
 
-@pytest.mark.parametrize(("name", "knobs"), [("fixed", {"k": 2}), ("tree", {"depth": 2,
-                                             "branch": 2, "gamma": 3})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "knobs"), [("fixed", {"k": 2}), ("tree", {"depth": 2, "branch": 2, "gamma": 3})]
+)
 def test_sampling_in_a_batch_keeps_the_target_distribution(name, knobs):
     """T = 1: 1,200 generations of the first two tokens after one prompt, decoded 16 at a time
     beside generations of another prompt, match the target's exact joint distribution
@@ -131,10 +139,10 @@ def test_sampling_in_a_batch_keeps_the_target_distribution(name, knobs):
     want = target_joint(pair, prompt, sampling, 2)
     n = 1200
     prompts = [prompt if i % 3 else other for i in range(n * 3 // 2)]
-    got = BatchedEngine(pair).generate_many(prompts, lambda: make_policy(name, **knobs), 2,
-                                            sampling, max_batch=16, stop_at_eos=False)  # fmt: skip
-    counts = Counter(tuple(g.tokens[:2]) for g, p in zip(got, prompts, strict=True)
-                     if p is prompt)  # fmt: skip
+    got = BatchedEngine(pair).generate_many(
+        prompts, lambda: make_policy(name, **knobs), 2, sampling, max_batch=16, stop_at_eos=False
+    )
+    counts = Counter(tuple(g.tokens[:2]) for g, p in zip(got, prompts, strict=True) if p is prompt)
     keys = sorted(want)
     total = sum(counts.values())
     assert set(counts) <= set(keys)
@@ -149,8 +157,17 @@ def _task(pair, text: str, policy, max_tokens: int, out: dict, key: str, **kw) -
         if isinstance(item, (Generation, BaseException)):
             out[key] = item
 
-    return DecodeTask(pair.tokenizer.encode(text), policy, max_tokens, SamplingConfig(), 0,
-                      kw.get("stops", []), time.monotonic() + 60, deliver, key)  # fmt: skip
+    return DecodeTask(
+        pair.tokenizer.encode(text),
+        policy,
+        max_tokens,
+        SamplingConfig(),
+        0,
+        kw.get("stops", []),
+        time.monotonic() + 60,
+        deliver,
+        key,
+    )
 
 
 class _Boom(Exception):
@@ -178,15 +195,17 @@ def test_the_replica_worker_fails_cancels_and_stops_generations_one_by_one(embed
     worker = BatchedDecodeWorker(engine, stall_limit_s=30, max_batch=3, max_positions=8)
     out: dict = {}
     texts = PROMPTS[:5]
-    tasks = [_task(pair, t, make_policy("fixed", k=3), 16, out, f"ok{i}")
-             for i, t in enumerate(texts)]  # fmt: skip
+    tasks = [
+        _task(pair, t, make_policy("fixed", k=3), 16, out, f"ok{i}") for i, t in enumerate(texts)
+    ]
     tasks.append(_task(pair, PROMPTS[0], Failing(), 16, out, "boom"))
     cancelled = _task(pair, PROMPTS[1], make_policy("fixed", k=3), 400, out, "cancel")
     tasks.append(cancelled)
     want = _plain_greedy(pair, [pair.tokenizer.encode(t) for t in texts], 16)
     stop_text = pair.tokenizer.decode(want[2][4:7])
-    tasks.append(_task(pair, texts[2], make_policy("fixed", k=3), 16, out, "stop",
-                       stops=[stop_text]))  # fmt: skip
+    tasks.append(
+        _task(pair, texts[2], make_policy("fixed", k=3), 16, out, "stop", stops=[stop_text])
+    )
     for task in tasks:
         worker.submit(task)
     threading.Timer(0.5, cancelled.cancel.set).start()

@@ -40,10 +40,17 @@ RESPONSE_LENS = (9, 4, 14, 7, 1, 12)
 
 
 def _pair(target) -> ModelPair:
-    return ModelPair(target=target, draft=tiny_draft(VOCAB), tokenizer=None,
-                     spec=moe_spec(target.config), device=torch.device("cpu"),
-                     dtype=torch.float32, experts_implementation="eager",
-                     target_path="tiny", draft_path="tiny")  # fmt: skip
+    return ModelPair(
+        target=target,
+        draft=tiny_draft(VOCAB),
+        tokenizer=None,
+        spec=moe_spec(target.config),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        experts_implementation="eager",
+        target_path="tiny",
+        draft_path="tiny",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +127,19 @@ class _Tokenizer:
 
 def test_build_references_batches_only_the_greedy_ones(pair):
     texts = ["def f(x):", "a", "print(1 + 2)", "import os", "x = [1, 2]"]
-    prompts = [Prompt(f"p{j}", t, t, "test", reference="ab" if j == 2 else None)
-               for j, t in enumerate(texts)]  # fmt: skip
+    prompts = [
+        Prompt(f"p{j}", t, t, "test", reference="ab" if j == 2 else None)
+        for j, t in enumerate(texts)
+    ]
     args = (prompts, pair.target, _Tokenizer(), 10, True)
     lone = build_references(*args, batch_size=1)
     batched = build_references(*args, batch_size=3)
     assert [r.source for r in batched] == ["greedy", "greedy", "given", "greedy", "greedy"]
     for a, b in zip(lone, batched, strict=True):
         assert (a.seq_id, a.source, a.prompt_ids) == (b.seq_id, b.source, b.prompt_ids)
-        _assert_greedy_same_or_tie(pair.target, list(a.prompt_ids), list(a.response_ids),
-                                   list(b.response_ids))  # fmt: skip
+        _assert_greedy_same_or_tie(
+            pair.target, list(a.prompt_ids), list(a.response_ids), list(b.response_ids)
+        )
 
 
 # --- teacher-forced passes ---------------------------------------------------------------------
@@ -175,8 +185,9 @@ def _router_logits(pair: ModelPair, ids: list[int]) -> torch.Tensor:
     return torch.stack(out, dim=1).float()
 
 
-def _assert_routing_same_or_tie(pair, ids: list[int], lone: np.ndarray, batched: np.ndarray,
-                                what: str) -> None:  # fmt: skip
+def _assert_routing_same_or_tie(
+    pair, ids: list[int], lone: np.ndarray, batched: np.ndarray, what: str
+) -> None:
     """``lone`` / ``batched``: [positions, layers, top_k] for the last positions of ``ids``. A
     flip at one layer changes what later layers see, so only the lowest layer where any position
     differs must be a near-tie of the router: every expert chosen instead is within TIE of the
@@ -233,8 +244,9 @@ def _assert_tail_same_or_tie(pair, ref, forced, spec, lone, batched, what: str) 
     _note(f"{what}: {acc} tail token {r + 1}")
 
 
-def _assert_rows_same_or_tie(pair, ref, mode, seed, lone: SequenceTables,
-                             batched: SequenceTables) -> None:  # fmt: skip
+def _assert_rows_same_or_tie(
+    pair, ref, mode, seed, lone: SequenceTables, batched: SequenceTables
+) -> None:
     assert lone.sequences.equals(batched.sequences) and lone.stats == batched.stats
     a, b = lone.tokens.to_pydict(), batched.tokens.to_pydict()
     assert a["t"] == b["t"] and a["token_id"] == b["token_id"]
@@ -255,8 +267,15 @@ def _assert_rows_same_or_tie(pair, ref, mode, seed, lone: SequenceTables,
     ends = np.cumsum(specs.length)
     for j, end in enumerate(ends.tolist()):
         rows = slice(end - int(specs.length[j]), end)
-        _assert_tail_same_or_tie(pair, ref, forced, _Spec(specs, j), ta.iloc[rows],
-                                 tb.iloc[rows], f"{ref.seq_id} tail {j}")  # fmt: skip
+        _assert_tail_same_or_tie(
+            pair,
+            ref,
+            forced,
+            _Spec(specs, j),
+            ta.iloc[rows],
+            tb.iloc[rows],
+            f"{ref.seq_id} tail {j}",
+        )
 
 
 class _Spec:

@@ -19,11 +19,19 @@ from pipeline.models.loading import REPO_ROOT
 
 
 def _row(label, seconds, outputs, policy_ms=None, bound=None, temperature=0.0):
-    return BenchRow(label=label, temperature=temperature, tokens=sum(len(o) for o in outputs),
-                    seconds=seconds, mean_accepted=1.0, mean_unique_experts=4.0,
-                    verify_share=0.5, outputs=outputs, policy_ms=policy_ms,
-                    ar_ms=None if policy_ms is None else 100.0,
-                    bound=None if bound is None else SimpleNamespace(speedup=bound))  # fmt: skip
+    return BenchRow(
+        label=label,
+        temperature=temperature,
+        tokens=sum(len(o) for o in outputs),
+        seconds=seconds,
+        mean_accepted=1.0,
+        mean_unique_experts=4.0,
+        verify_share=0.5,
+        outputs=outputs,
+        policy_ms=policy_ms,
+        ar_ms=None if policy_ms is None else 100.0,
+        bound=None if bound is None else SimpleNamespace(speedup=bound),
+    )
 
 
 def _result(rows):
@@ -34,18 +42,22 @@ TEXT = [[1, 2, 3, 4]]
 
 
 def test_ratios_over_each_domains_best_fixed_k_and_pooled():
-    code = _result([
-        _row("ar", 4.0, TEXT, 100.0, 2.0),
-        _row("fixed(k=1)", 2.0, TEXT, 80.0, 2.0),
-        _row("fixed(k=4)", 1.0, [[1, 2, 3, 4, 5]], 50.0, 2.0),  # overshoot: still greedy
-        _row("ours", 0.8, [[1, 2, 9, 4]], 60.0, 2.0),  # a different greedy text
-    ])  # fmt: skip
-    prose = _result([
-        _row("ar", 4.0, TEXT, 100.0, 1.25),
-        _row("fixed(k=1)", 3.2, TEXT, 90.0, 1.25),
-        _row("fixed(k=4)", 8.0, TEXT, 150.0, 1.25),
-        _row("ours", 3.2, TEXT, 85.0, 1.25),
-    ])  # fmt: skip
+    code = _result(
+        [
+            _row("ar", 4.0, TEXT, 100.0, 2.0),
+            _row("fixed(k=1)", 2.0, TEXT, 80.0, 2.0),
+            _row("fixed(k=4)", 1.0, [[1, 2, 3, 4, 5]], 50.0, 2.0),  # overshoot: still greedy
+            _row("ours", 0.8, [[1, 2, 9, 4]], 60.0, 2.0),  # a different greedy text
+        ]
+    )
+    prose = _result(
+        [
+            _row("ar", 4.0, TEXT, 100.0, 1.25),
+            _row("fixed(k=1)", 3.2, TEXT, 90.0, 1.25),
+            _row("fixed(k=4)", 8.0, TEXT, 150.0, 1.25),
+            _row("ours", 3.2, TEXT, 85.0, 1.25),
+        ]
+    )
     df = domain_table({"code": code, "prose": prose}).set_index(["domain", "policy"])
     assert df.loc[("code", "fixed(k=1)"), "best_fixed"] == "fixed(k=4)"
     assert df.loc[("prose", "ours"), "best_fixed"] == "fixed(k=1)"
@@ -72,14 +84,30 @@ def test_bench_online_per_domain(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO_ROOT)
     args = "--domains prose,math --limit 1 --max-new-tokens 3 --temperatures 0 --quick"
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_online", *args.split()],
-                          cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.bench_online", *args.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for text in ("=== domain prose ===", "=== domain math ===", "prose, T=0 (best fixed:",
-                 "all, T=0 (best fixed: fixed(k=", "x best fixed", "throughput"):  # fmt: skip
+    for text in (
+        "=== domain prose ===",
+        "=== domain math ===",
+        "prose, T=0 (best fixed:",
+        "all, T=0 (best fixed: fixed(k=",
+        "x best fixed",
+        "throughput",
+    ):
         assert text in proc.stdout, text
     assert " NO" not in proc.stdout  # greedy texts equal `ar`'s
-    bad = subprocess.run([sys.executable, "-m", "jobs.bench_online", "--domains", "poetry"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "jobs.bench_online", "--domains", "poetry"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "code, prose, math" in bad.stderr

@@ -45,16 +45,26 @@ KS, LOOK_KS = [0, 1, 3], [0, 3]
 @pytest.fixture(scope="module")
 def pair() -> ModelPair:
     target = tiny_model("mixtral", seed=3)
-    return ModelPair(target, tiny_draft(VOCAB), None, moe_spec(target.config),
-                     torch.device("cpu"), torch.float32, "eager", "t", "d")  # fmt: skip
+    return ModelPair(
+        target,
+        tiny_draft(VOCAB),
+        None,
+        moe_spec(target.config),
+        torch.device("cpu"),
+        torch.float32,
+        "eager",
+        "t",
+        "d",
+    )
 
 
 @pytest.fixture(scope="module")
 def rounds(checkpoints) -> pd.DataFrame:
     """Real timed rounds (fixed and look) of the saved tiny checkpoints."""
     saved = load_pair(checkpoints.target, checkpoints.draft, "cpu", "float32")
-    table = collect_rounds(saved, PROMPTS, KS, max_new_tokens=8, warmup_tokens=2,
-                           log=lambda _: None, look_ks=LOOK_KS)  # fmt: skip
+    table = collect_rounds(
+        saved, PROMPTS, KS, max_new_tokens=8, warmup_tokens=2, log=lambda _: None, look_ks=LOOK_KS
+    )
     assert table.schema.equals(ROUNDS_SCHEMA)
     return table.to_pandas()
 
@@ -116,12 +126,21 @@ def synthetic_times(rounds: pd.DataFrame, seed: int = 0) -> tuple[pd.DataFrame, 
     """The real rounds with their times replaced by known coefficients plus small noise."""
     rng = np.random.default_rng(seed)
     ms = sorted(rounds["m"].unique())
-    true = {"beta0": {m: 4.0 + 0.3 * m for m in ms}, "alpha": {m: 0.05 * m for m in ms},
-            "c": 0.002, "a": 0.6, "b": 0.2}  # fmt: skip
+    true = {
+        "beta0": {m: 4.0 + 0.3 * m for m in ms},
+        "alpha": {m: 0.05 * m for m in ms},
+        "c": 0.002,
+        "a": 0.6,
+        "b": 0.2,
+    }
     out = rounds.copy()
     m = out["m"]
-    out["t_target_ms"] = (m.map(true["beta0"]) + m.map(true["alpha"]) * out["u_bar"]
-                          + true["c"] * out["ctx_len"] + rng.normal(0, 1e-3, len(out)))  # fmt: skip
+    out["t_target_ms"] = (
+        m.map(true["beta0"])
+        + m.map(true["alpha"]) * out["u_bar"]
+        + true["c"] * out["ctx_len"]
+        + rng.normal(0, 1e-3, len(out))
+    )
     n = out["draft_forwards"]
     out["t_draft_ms"] = np.where(n > 0, true["a"] * n + true["b"], 0.0)
     out["t_draft_ms"] += np.where(n > 0, rng.normal(0, 1e-3, len(out)), 0.0)
@@ -164,8 +183,13 @@ def test_real_calibration_on_embedded_models(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "factor importance" in proc.stdout and "draft forwards" in proc.stdout
     out = tmp_path / "cal"
-    for name in ("costmodel.json", "rounds.parquet", "per_k.csv", "target_vs_experts.png",
-                 "draft_vs_k.png"):  # fmt: skip
+    for name in (
+        "costmodel.json",
+        "rounds.parquet",
+        "per_k.csv",
+        "target_vs_experts.png",
+        "draft_vs_k.png",
+    ):
         assert (out / name).is_file(), name
     import pyarrow.parquet as pq
 

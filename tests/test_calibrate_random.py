@@ -24,11 +24,22 @@ from pipeline.models.random_moe import (
 )
 
 # A tiny Qwen3-MoE: 2 layers x 8 experts, top-2, hidden 64, vocab 512.
-TINY = dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, hidden_size=64,
-            intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
-TINY_FLAGS = ("--layers 2 --experts 8 --top-k 2 --hidden 64 --intermediate 128 "
-              "--moe-intermediate 32 --heads 4 --kv-heads 2 --head-dim 16 --vocab 512")  # fmt: skip
+TINY = dict(
+    num_hidden_layers=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
+TINY_FLAGS = (
+    "--layers 2 --experts 8 --top-k 2 --hidden 64 --intermediate 128 "
+    "--moe-intermediate 32 --heads 4 --kv-heads 2 --head-dim 16 --vocab 512"
+)
 
 
 def test_full_qwen3_30b_a3b_layout_is_counted_without_allocating():
@@ -110,8 +121,10 @@ def test_job_runs_the_designed_calibration_on_a_scaled_down_layout(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "cal"
-    args = (f"{TINY_FLAGS} --device cpu --threads 1 --ms 1-3 --contexts 16,32 --per-length 3 "
-            f"--repeats 2 --max-levels 3 --out {out}")  # fmt: skip
+    args = (
+        f"{TINY_FLAGS} --device cpu --threads 1 --ms 1-3 --contexts 16,32 --per-length 3 "
+        f"--repeats 2 --max-levels 3 --out {out}"
+    )
     got = calibrate_random.main(args.split())
     printed = capsys.readouterr().out
     for name in ARTIFACTS:
@@ -133,7 +146,10 @@ def test_job_runs_the_designed_calibration_on_a_scaled_down_layout(
     assert fit["per_m"]["2"]["alpha_se"] is not None and fit["per_m"]["1"]["alpha_se"] is None
     comparison = fit["paper_comparison"]
     assert not comparison["comparable"] and [r["paper_alpha"] for r in comparison["per_m"]] == [
-        0.08, 0.08, 0.08]  # fmt: skip
+        0.08,
+        0.08,
+        0.08,
+    ]
     meta = fit["meta"]
     assert meta["parameters"] == parameter_count(layout_config("qwen3-30b-a3b", **TINY))
     assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["torch_threads"] == 1
@@ -173,5 +189,7 @@ def test_only_the_full_layout_in_bf16_with_grouped_mm_on_an_a100_is_the_papers_s
     assert differences_from_paper(full, *a100, "grouped_mm") == []
     (kernel,) = differences_from_paper(full, *a100, "eager")
     assert "experts kernel eager" in kernel
-    assert len(differences_from_paper(full, torch.device("cpu"), torch.float32, "x86_64",
-                                      "eager")) == 3  # fmt: skip
+    assert (
+        len(differences_from_paper(full, torch.device("cpu"), torch.float32, "x86_64", "eager"))
+        == 3
+    )

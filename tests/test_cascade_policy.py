@@ -17,8 +17,13 @@ from pipeline.decode.types import StepOutcome, StepRecord
 
 def _cost(draft_ms: float) -> CostModel:
     ms = range(1, 10)
-    return CostModel(beta0={m: 10.0 for m in ms}, alpha={m: 0.0 for m in ms}, c=0.0,
-                     draft_a=draft_ms, draft_b=0.0)  # fmt: skip
+    return CostModel(
+        beta0={m: 10.0 for m in ms},
+        alpha={m: 0.0 for m in ms},
+        c=0.0,
+        draft_a=draft_ms,
+        draft_b=0.0,
+    )
 
 
 class _StubDrafter:

@@ -9,11 +9,36 @@ from pipeline.oracle.context_analysis import class_table, label_tokens, new_expe
 
 
 def test_labels_follow_the_rules():
-    pieces = ["def", " load", "(", "path", "):", "\n    ", '"""', "Read", " the", " file", ".",
-              " Then", '"""', "\n    ", "#", " note", "\n", "x", " = ", "日本"]  # fmt: skip
+    pieces = [
+        "def",
+        " load",
+        "(",
+        "path",
+        "):",
+        "\n    ",
+        '"""',
+        "Read",
+        " the",
+        " file",
+        ".",
+        " Then",
+        '"""',
+        "\n    ",
+        "#",
+        " note",
+        "\n",
+        "x",
+        " = ",
+        "日本",
+    ]
     labels = label_tokens(pieces)
-    assert labels[:5] == ["identifier", "identifier", "code structure", "identifier",
-                          "code structure"]  # fmt: skip
+    assert labels[:5] == [
+        "identifier",
+        "identifier",
+        "code structure",
+        "identifier",
+        "code structure",
+    ]
     assert labels[5] == "indentation/formatting"
     assert labels[6] == "code-prose transition"
     assert labels[7:10] == ["prose word"] * 3

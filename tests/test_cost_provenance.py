@@ -29,8 +29,9 @@ from tests.tinymodels import VOCAB, tiny_model
 def measured_on(target: Path, draft: Path, **over) -> CostModel:
     """A small cost model as jobs.calibrate would record it for (target, draft) on this CPU."""
     meta = {**provenance_of("cpu", torch.float32, "eager", target, draft), **over}
-    return CostModel({m: 4.0 for m in range(1, 6)}, {m: 0.1 for m in range(1, 6)}, 0.001, 0.5,
-                     0.1, meta)  # fmt: skip
+    return CostModel(
+        {m: 4.0 for m in range(1, 6)}, {m: 0.1 for m in range(1, 6)}, 0.001, 0.5, 0.1, meta
+    )
 
 
 def test_fingerprint_names_the_checkpoint_not_its_path(checkpoints, tmp_path):
@@ -62,8 +63,7 @@ def test_same_setup_passes(checkpoints):
 def test_other_setup_is_refused_naming_every_difference_and_the_way_on(checkpoints, caplog):
     model = measured_on(DEFAULT_TARGET, DEFAULT_DRAFT)
     model.source = "models/costmodel.json"
-    used = provenance_of("cpu", torch.bfloat16, "grouped_mm", checkpoints.target,
-                         checkpoints.draft)  # fmt: skip
+    used = provenance_of("cpu", torch.bfloat16, "grouped_mm", checkpoints.target, checkpoints.draft)
     used.update(device="cuda:0", device_name="NVIDIA H200")  # as a GPU machine would say
     with pytest.raises(CostModelMismatchError) as err:
         model.check_measured_on(used)
@@ -83,11 +83,22 @@ def test_other_setup_is_refused_naming_every_difference_and_the_way_on(checkpoin
 
 def test_a_pair_built_in_memory_is_unknown_and_refused():
     target = tiny_model("mixtral", seed=3)
-    pair = ModelPair(target, tiny_draft(VOCAB), None, moe_spec(target.config),
-                     torch.device("cpu"), torch.float32, "eager", "t", "d")  # fmt: skip
+    pair = ModelPair(
+        target,
+        tiny_draft(VOCAB),
+        None,
+        moe_spec(target.config),
+        torch.device("cpu"),
+        torch.float32,
+        "eager",
+        "t",
+        "d",
+    )
     model = measured_on(DEFAULT_TARGET, DEFAULT_DRAFT)
     assert set(model.provenance_mismatches(pair_provenance(pair))) == {
-        "target_fingerprint", "draft_fingerprint"}  # fmt: skip
+        "target_fingerprint",
+        "draft_fingerprint",
+    }
     with pytest.raises(ValueError, match="unknown \\(no checkpoint on disk at t\\)"):
         model.check_measured_on(pair_provenance(pair))
 
@@ -133,17 +144,24 @@ def test_an_m_the_model_lacks_is_an_error_at_load(tmp_path):
 
 
 def test_manifest_provenance_compares_what_the_manifest_records(checkpoints):
-    manifest = {"target": str(checkpoints.target), "draft": str(checkpoints.draft),
-                "dtype": "auto", "experts_implementation": "eager", "lmax": 4}  # fmt: skip
+    manifest = {
+        "target": str(checkpoints.target),
+        "draft": str(checkpoints.draft),
+        "dtype": "auto",
+        "experts_implementation": "eager",
+        "lmax": 4,
+    }
     prov = manifest_provenance(manifest)
     assert "device" not in prov and "dtype" not in prov  # "auto": depended on the device
     assert prov["target_fingerprint"] == checkpoint_fingerprint(checkpoints.target)
     assert measured_on(checkpoints.target, checkpoints.draft).check_measured_on(prov) == []
     other = measured_on(DEFAULT_TARGET, DEFAULT_DRAFT, dtype="bfloat16")
     assert set(other.provenance_mismatches(prov)) == {"target_fingerprint", "draft_fingerprint"}
-    moved = manifest_provenance({**manifest, "target": "/gone/target", "draft": "/gone/draft",
-                                 "dtype": "bfloat16"})  # fmt: skip
+    moved = manifest_provenance(
+        {**manifest, "target": "/gone/target", "draft": "/gone/draft", "dtype": "bfloat16"}
+    )
     assert set(other.provenance_mismatches(moved)) == set()  # nothing left to tell them apart
-    recorded = manifest_provenance({**manifest, "target": "/gone/target",
-                                    "target_fingerprint": "sha256:0000"})  # fmt: skip
+    recorded = manifest_provenance(
+        {**manifest, "target": "/gone/target", "target_fingerprint": "sha256:0000"}
+    )
     assert "target_fingerprint" in other.provenance_mismatches(recorded)

@@ -70,8 +70,9 @@ def test_a_designed_pass_computes_exactly_the_forced_union(pair):
         with ForcedRouting(pair.target, spec) as forced, RoutingCapture(pair.target, spec) as cap:
             for m in (1, 2, 3):
                 for u in feasible_unions(m, spec.top_k, spec.num_experts):
-                    t_ms = designed_pass(pair.target, spec, forced, cache, len(ids) - 1,
-                                         ids[-1], m, u, gen, vocab)  # fmt: skip
+                    t_ms = designed_pass(
+                        pair.target, spec, forced, cache, len(ids) - 1, ids[-1], m, u, gen, vocab
+                    )
                     routing = cap.take(1, m)[0]  # [m, layers, top_k]
                     for layer in range(spec.num_moe_layers):
                         assert len(torch.unique(routing[:, layer])) == u, (m, u, layer)
@@ -81,8 +82,9 @@ def test_a_designed_pass_computes_exactly_the_forced_union(pair):
 
 def test_collected_cells_cover_every_m_and_level(pair):
     contexts = prompt_contexts(pair.tokenizer, PROMPTS)
-    table = collect_designed_rounds(pair.target, pair.spec, contexts, [1, 2, 3], repeats=2,
-                                    max_levels=3, log=lambda _: None)  # fmt: skip
+    table = collect_designed_rounds(
+        pair.target, pair.spec, contexts, [1, 2, 3], repeats=2, max_levels=3, log=lambda _: None
+    )
     assert table.schema.equals(ROUNDS_SCHEMA)
     df = table.to_pandas()
     spec = pair.spec
@@ -101,8 +103,9 @@ def test_random_contexts_need_no_tokenizer(pair):
     contexts = random_contexts(int(pair.target.config.vocab_size), [8, 20], per_length=2)
     assert [len(c.ids) for c in contexts] == [8, 8, 20, 20]
     assert contexts[0].ids != contexts[1].ids and contexts[0].category == "random"
-    df = collect_designed_rounds(pair.target, pair.spec, contexts, [2], repeats=1,
-                                 max_levels=2, log=lambda _: None).to_pandas()  # fmt: skip
+    df = collect_designed_rounds(
+        pair.target, pair.spec, contexts, [2], repeats=1, max_levels=2, log=lambda _: None
+    ).to_pandas()
     assert sorted(df["ctx_len"].unique()) == [8, 20] and len(df) == 4 * 2
     with pytest.raises(ValueError, match="lengths >= 2"):
         random_contexts(100, [1])
@@ -122,8 +125,9 @@ def test_in_situ_passes_run_at_the_rounds_state_and_leave_the_rounds_alone(pair)
     assert len(df) == len(rounds)
     assert list(df["ctx_len"]) == list(rounds["ctx_len"] + rounds["accepted"] + 1)
     assert (df["draft_forwards"] == 0).all() and (df["t_target_ms"] > 0).all()
-    first_block = set(zip(df["m"][: len(design.cells)], df["u_bar"][: len(design.cells)],
-                          strict=True))  # fmt: skip
+    first_block = set(
+        zip(df["m"][: len(design.cells)], df["u_bar"][: len(design.cells)], strict=True)
+    )
     assert first_block == {(m, float(u)) for m, u in design.cells}  # every cell once per block
     assert set(df["gen_id"].str.rsplit("|", n=1).str[0]) == set(rounds["gen_id"])
     with pytest.raises(ValueError, match="per_round >= 1"):
@@ -144,22 +148,46 @@ def _synthetic(rng: np.random.Generator) -> tuple[pd.DataFrame, pd.DataFrame, di
             for u in union_levels(m, 4, 32, 6):
                 for r in range(5):
                     t = price(m, u, ctx) * rng.lognormal(0, 0.05)
-                    rows.append({"gen_id": f"p{p}|m{m}", "category": "c", "k": m - 1, "m": m,
-                                 "u_bar": float(u), "ctx_len": ctx, "kv_tokens": ctx - 1,
-                                 "kv_occupancy": 0.0, "accepted": 0, "round": r,
-                                 "draft_forwards": 0, "t_draft_ms": 0.0,
-                                 "t_target_ms": t})  # fmt: skip
+                    rows.append(
+                        {
+                            "gen_id": f"p{p}|m{m}",
+                            "category": "c",
+                            "k": m - 1,
+                            "m": m,
+                            "u_bar": float(u),
+                            "ctx_len": ctx,
+                            "kv_tokens": ctx - 1,
+                            "kv_occupancy": 0.0,
+                            "accepted": 0,
+                            "round": r,
+                            "draft_forwards": 0,
+                            "t_draft_ms": 0.0,
+                            "t_target_ms": t,
+                        }
+                    )
     obs = []
     for g in range(8):
         m = g % 5 + 1
         for r in range(20):
             u = float(rng.uniform(4, min(4 * m, 32))) if m > 1 else 4.0
             ctx = 50 + r
-            obs.append({"gen_id": f"g{g}", "category": "c", "k": m - 1, "m": m, "u_bar": u,
-                        "ctx_len": ctx, "kv_tokens": ctx - 1, "kv_occupancy": 0.0,
-                        "accepted": 0, "round": r, "draft_forwards": m - 1,
-                        "t_draft_ms": 0.5 + 1.2 * (m - 1) * rng.lognormal(0, 0.03),
-                        "t_target_ms": price(m, u, ctx) * rng.lognormal(0, 0.05)})  # fmt: skip
+            obs.append(
+                {
+                    "gen_id": f"g{g}",
+                    "category": "c",
+                    "k": m - 1,
+                    "m": m,
+                    "u_bar": u,
+                    "ctx_len": ctx,
+                    "kv_tokens": ctx - 1,
+                    "kv_occupancy": 0.0,
+                    "accepted": 0,
+                    "round": r,
+                    "draft_forwards": m - 1,
+                    "t_draft_ms": 0.5 + 1.2 * (m - 1) * rng.lognormal(0, 0.03),
+                    "t_target_ms": price(m, u, ctx) * rng.lognormal(0, 0.05),
+                }
+            )
     return pd.DataFrame(rows), pd.DataFrame(obs), truth
 
 
@@ -170,13 +198,15 @@ def test_contexts_of_set_lengths_end_with_their_prompt(pair):
     assert context_ids(prompts, 2, 9) == [3, 4, 5, 1, 2, 3, 4, 5, 6]  # cycled
     assert context_ids([[7, 8]], 0, 5) == [8, 7, 8, 7, 8]
     contexts = prompt_contexts(pair.tokenizer, PROMPTS[:2], [12, 40])
-    table = collect_designed_rounds(pair.target, pair.spec, contexts, [1, 2], repeats=1,
-                                    max_levels=2, log=lambda _: None)  # fmt: skip
+    table = collect_designed_rounds(
+        pair.target, pair.spec, contexts, [1, 2], repeats=1, max_levels=2, log=lambda _: None
+    )
     df = table.to_pandas()
     assert sorted(df["ctx_len"].unique()) == [12, 40]
     assert df.groupby("gen_id")["ctx_len"].nunique().max() == 1
-    assert len(df) == 2 * 2 * sum(len(union_levels(m, pair.spec.top_k, pair.spec.num_experts,
-                                                     2)) for m in (1, 2))  # fmt: skip
+    assert len(df) == 2 * 2 * sum(
+        len(union_levels(m, pair.spec.top_k, pair.spec.num_experts, 2)) for m in (1, 2)
+    )
 
 
 def test_the_fit_on_cell_medians_recovers_the_coefficients_and_prices_observed_rounds():
@@ -198,8 +228,7 @@ def test_the_fit_on_cell_medians_recovers_the_coefficients_and_prices_observed_r
 
 
 def test_beta0_monotone_names_a_drop_beyond_the_intervals():
-    per_m = pd.DataFrame({"m": [2, 3, 4], "beta0": [6.0, 5.0, 6.5],
-                          "beta0_se": [0.1, 0.1, 0.1]})  # fmt: skip
+    per_m = pd.DataFrame({"m": [2, 3, 4], "beta0": [6.0, 5.0, 6.5], "beta0_se": [0.1, 0.1, 0.1]})
     (problem,) = beta0_monotone(per_m)
     assert "beta0(3)" in problem and "beta0(2)" in problem
     assert beta0_monotone(per_m.assign(beta0_se=1.0)) == []  # within the intervals
@@ -208,19 +237,33 @@ def test_beta0_monotone_names_a_drop_beyond_the_intervals():
 def _run_calibrate(tmp_path, args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run([sys.executable, "-m", "jobs.calibrate", *args.split()], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.calibrate", *args.split()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
-DESIGNED_FILES = ("costmodel.json", "costmodel_observational.json", "designed_rounds.parquet",
-                  "cells.csv", "design_comparison.csv", "rounds.parquet")  # fmt: skip
+DESIGNED_FILES = (
+    "costmodel.json",
+    "costmodel_observational.json",
+    "designed_rounds.parquet",
+    "cells.csv",
+    "design_comparison.csv",
+    "rounds.parquet",
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("design", ["forced", "forced-contexts"])
 def test_calibrate_job_with_a_forced_design(tmp_path, design):
-    args = (f"--design {design} --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
-            "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal")  # fmt: skip
+    args = (
+        f"--design {design} --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
+        "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal"
+    )
     proc = _run_calibrate(tmp_path, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "designs side by side" in proc.stdout and "noise left per (m, U) cell" in proc.stdout
@@ -252,8 +295,9 @@ def test_the_committed_cost_model_comes_from_the_designed_calibration():
     assert data["design"] == "forced" and data["designed_per_round"] >= 1
     assert data["timing_repeats"] == 1 and data["torch_threads"] == 1
     assert all(model.alpha[m] > 0 for m in model.alpha if m >= 2) and model.c >= 0
-    per_m = pd.DataFrame([{"m": int(m), "beta0": model.beta0[int(m)], **q}
-                          for m, q in data["fit"]["per_m"].items()])  # fmt: skip
+    per_m = pd.DataFrame(
+        [{"m": int(m), "beta0": model.beta0[int(m)], **q} for m, q in data["fit"]["per_m"].items()]
+    )
     assert beta0_monotone(per_m) == []
     held = data["fit"]["on_observational_rounds"]
     assert abs(held["bias_pct"]) < 3 and held["rounds"] > 1000

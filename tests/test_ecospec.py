@@ -25,8 +25,10 @@ def test_figure_3_selects_t0_then_t2():
     parents = [-1, 0, 0]
     assert select_nodes(path_p, footprints, parents, gamma=3, buffer=[set()]) == [0, 2]
     # Without the buffer (the global-cost ablation) t1 wins: 0.53/7 = 0.076 > 0.40/6 = 0.067.
-    assert select_nodes(path_p, footprints, parents, gamma=3, buffer=[set()],
-                        use_buffer=False) == [0, 1]  # fmt: skip
+    assert select_nodes(path_p, footprints, parents, gamma=3, buffer=[set()], use_buffer=False) == [
+        0,
+        1,
+    ]
 
 
 def test_buffer_update_decides_the_later_picks():
@@ -37,8 +39,11 @@ def test_buffer_update_decides_the_later_picks():
     footprints = [[{0, 1}], [{2, 3}], [{0, 1}]]
     parents = [-1, -1, 0]
     assert select_nodes(path_p, footprints, parents, gamma=4, buffer=[set()]) == [0, 2, 1]
-    assert select_nodes(path_p, footprints, parents, gamma=4, buffer=[set()],
-                        use_buffer=False) == [0, 1, 2]  # fmt: skip
+    assert select_nodes(path_p, footprints, parents, gamma=4, buffer=[set()], use_buffer=False) == [
+        0,
+        1,
+        2,
+    ]
     # The third pick depends on the second: with gamma = 3 only [a, c] is verified.
     assert select_nodes(path_p, footprints, parents, gamma=3, buffer=[set()]) == [0, 2]
     # An initial buffer holding a's experts makes a and c free from the start.
@@ -73,8 +78,9 @@ def test_the_verified_set_never_exceeds_gamma_on_random_trees():
         footprints = [[set(rng.choice(8, 2).tolist())] for _ in tree.tokens]
         for use_buffer in (True, False):
             buffer = [set(rng.choice(8, 2).tolist())]
-            chosen = select_nodes(tree.path_p, footprints, tree.parents, gamma, buffer,
-                                  use_buffer=use_buffer)  # fmt: skip
+            chosen = select_nodes(
+                tree.path_p, footprints, tree.parents, gamma, buffer, use_buffer=use_buffer
+            )
             by_p = select_prefix_closed(tree.parents, gamma, tree.path_p.__getitem__)  # `tree`
             for picks in (chosen, by_p):
                 assert len(picks) == min(gamma - 1, len(tree.tokens))
@@ -94,8 +100,11 @@ def test_tree_and_ecospec_verify_gamma_positions_with_the_root():
     predictor = TokenExpertPredictor.fit(samples, num_experts=8, top_k=2)
     engine = SpeculativeEngine(pair)
     for gamma in (2, 4, 6):
-        for policy in (TreePolicy(3, 2, gamma), EcoSpecPolicy(predictor, 3, 2, gamma),
-                       EcoSpecGlobalPolicy(predictor, 3, 2, gamma)):  # fmt: skip
+        for policy in (
+            TreePolicy(3, 2, gamma),
+            EcoSpecPolicy(predictor, 3, 2, gamma),
+            EcoSpecGlobalPolicy(predictor, 3, 2, gamma),
+        ):
             gen = engine.generate([5, 9, 2], policy, max_new_tokens=6, stop_at_eos=False)
             assert {s.verified for s in gen.steps} == {gamma}, (policy.name, gamma)
             assert {s.drafted for s in gen.steps} == {gamma - 1}, (policy.name, gamma)

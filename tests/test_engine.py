@@ -44,8 +44,17 @@ def perturbed_pair(
             p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp_min(1e-3))
         for model in (target, draft):
             model.lm_head.weight.mul_(sharpen)
-    return ModelPair(target, draft, None, moe_spec(target.config), torch.device("cpu"),
-                     torch.float32, "eager", family, family + "-noisy")  # fmt: skip
+    return ModelPair(
+        target,
+        draft,
+        None,
+        moe_spec(target.config),
+        torch.device("cpu"),
+        torch.float32,
+        "eager",
+        family,
+        family + "-noisy",
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -58,8 +67,9 @@ def test_greedy_output_equals_plain_greedy_for_every_policy(family):
         prompt = rng.integers(1, 256, size=int(rng.integers(2, 9))).tolist()
         expected = greedy_continuation(pair.target, prompt, 16, eos_id=None)
         for name, knobs in POLICIES.items():
-            gen = engine.generate(prompt, make_policy(name, **knobs), max_new_tokens=16,
-                                  stop_at_eos=False)  # fmt: skip
+            gen = engine.generate(
+                prompt, make_policy(name, **knobs), max_new_tokens=16, stop_at_eos=False
+            )
             assert gen.tokens == expected, (family, name, prompt)
             accepted[name] += sum(s.accepted for s in gen.steps)
     # Not vacuous: the noisy draft gets tokens accepted under every drafting policy.
@@ -77,8 +87,9 @@ def test_greedy_equality_on_the_embedded_models():
         ids = pair.tokenizer(prompt.text, add_special_tokens=False)["input_ids"][-256:]
         expected = greedy_continuation(pair.target, ids, 12, eos_id=None)
         for name, knobs in POLICIES.items():
-            gen = engine.generate(ids, make_policy(name, **knobs), max_new_tokens=12,
-                                  stop_at_eos=False)  # fmt: skip
+            gen = engine.generate(
+                ids, make_policy(name, **knobs), max_new_tokens=12, stop_at_eos=False
+            )
             assert gen.tokens == expected, (prompt.prompt_id, name)
 
 
@@ -118,8 +129,9 @@ def _marginal_artifacts(pair: ModelPair, lam: float) -> PolicyArtifacts:
         ExpertMLP(vocab, pair.draft.config.hidden_size, spec.num_moe_layers, spec.num_experts),
         spec.top_k,
     )
-    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
-                     0.001, 0.4, 0.1)  # fmt: skip
+    cost = CostModel(
+        {m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)}, 0.001, 0.4, 0.1
+    )
     return PolicyArtifacts(predictor, cost, lam)
 
 
@@ -133,27 +145,43 @@ def test_each_step_records_the_draft_forwards_its_proposal_ran():
     seen: dict[str, set[tuple[int, int]]] = {name: set() for name in early}
     for temperature in (0.0, 1.0):
         for prompt in ([5, 9, 2], [10, 3, 7, 7], [1, 2, 3, 4, 5, 6]):
-            for name, knobs in [("ar", {}), ("fixed", {"k": 3}), ("heuristic", {}),
-                                ("tree", {"depth": 3, "branch": 2, "gamma": 5}),
-                                ("ecospec", {"depth": 2}), *early.items()]:  # fmt: skip
-                gen = engine.generate(prompt, make_policy(name, art, **knobs), 16,
-                                      SamplingConfig(temperature), seed=1,
-                                      stop_at_eos=False)  # fmt: skip
+            for name, knobs in [
+                ("ar", {}),
+                ("fixed", {"k": 3}),
+                ("heuristic", {}),
+                ("tree", {"depth": 3, "branch": 2, "gamma": 5}),
+                ("ecospec", {"depth": 2}),
+                *early.items(),
+            ]:
+                gen = engine.generate(
+                    prompt,
+                    make_policy(name, art, **knobs),
+                    16,
+                    SamplingConfig(temperature),
+                    seed=1,
+                    stop_at_eos=False,
+                )
                 for rec in gen.steps:
                     if name in early:
                         max_k = knobs["max_k"]
                         want = max_k if rec.drafted == max_k else rec.drafted + 1
                         seen[name].add((rec.drafted, max_k))
                     else:
-                        want = {"ar": 0, "fixed": 3, "heuristic": rec.drafted,
-                                "tree": 3, "ecospec": 2}[name]  # fmt: skip
+                        want = {
+                            "ar": 0,
+                            "fixed": 3,
+                            "heuristic": rec.drafted,
+                            "tree": 3,
+                            "ecospec": 2,
+                        }[name]
                     assert rec.draft_forwards == want, (name, temperature, rec)
     # Both kinds of chain were seen: stopped early (k < max_k) and full.
     for name, pairs in seen.items():
         assert any(k < m for k, m in pairs) and any(k == m for k, m in pairs), (name, pairs)
     # A lambda below every ratio: plain steps only, each after one look (one forward).
-    plain = engine.generate([4, 4], make_policy("marginal", art, lam=0.5, max_k=3), 4,
-                            stop_at_eos=False)  # fmt: skip
+    plain = engine.generate(
+        [4, 4], make_policy("marginal", art, lam=0.5, max_k=3), 4, stop_at_eos=False
+    )
     assert [(r.drafted, r.draft_forwards) for r in plain.steps] == [(0, 1)] * 4
 
 
@@ -162,9 +190,14 @@ def test_the_same_seed_gives_the_same_sample_and_another_seed_another():
     engine = SpeculativeEngine(pair)
 
     def run(seed: int) -> list[int]:
-        return engine.generate([3, 7, 1], make_policy("fixed", k=3), 12,
-                               SamplingConfig(temperature=1.0), seed=seed,
-                               stop_at_eos=False).tokens  # fmt: skip
+        return engine.generate(
+            [3, 7, 1],
+            make_policy("fixed", k=3),
+            12,
+            SamplingConfig(temperature=1.0),
+            seed=seed,
+            stop_at_eos=False,
+        ).tokens
 
     assert run(5) == run(5)
     assert len({tuple(run(seed)) for seed in range(4)}) > 1

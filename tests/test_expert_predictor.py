@@ -100,8 +100,9 @@ def test_training_contexts_are_the_online_drafters_states(checkpoints, tmp_path)
     response = greedy_continuation(pair.target, prompt, 12, eos_id=None)
     ref = ReferenceSequence("s0", "c", "greedy", tuple(prompt), tuple(response))
     tables = extract_sequence(pair, ref, 1, "shared", 0)
-    write_shard(tmp_path, 0, {"sequences": tables.sequences, "tokens": tables.tokens,
-                              "tails": tables.tails})  # fmt: skip
+    write_shard(
+        tmp_path, 0, {"sequences": tables.sequences, "tokens": tables.tokens, "tails": tables.tails}
+    )
     samples = load_samples(tmp_path, pair, pair.spec)
     assert len(samples) == len(response) + 1  # x_0 .. x_N
     drafter = Drafter(pair, SamplingConfig(), TorchRandom(0))
@@ -109,8 +110,7 @@ def test_training_contexts_are_the_online_drafters_states(checkpoints, tmp_path)
     for t in range(1, len(response) + 1):
         drafter.begin(committed)
         # x_t is proposed from the state after x_{t-1}, the last committed token.
-        assert torch.allclose(drafter.hidden[-1], torch.from_numpy(samples.contexts[t]),
-                              atol=1e-4)  # fmt: skip
+        assert torch.allclose(drafter.hidden[-1], torch.from_numpy(samples.contexts[t]), atol=1e-4)
         drafter.end()
         committed.append(response[t - 1])
     # root_context: the state after the second-to-last committed token, x_N's context.
@@ -127,8 +127,9 @@ def _artifacts(pair, lam: float = 500.0) -> PolicyArtifacts:
         ExpertMLP(pair.draft.config.vocab_size, hidden, spec.num_moe_layers, spec.num_experts),
         spec.top_k,
     )
-    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 10)}, {m: 0.3 for m in range(1, 10)},
-                     0.001, 0.4, 0.1)  # fmt: skip
+    cost = CostModel(
+        {m: 4 + 0.2 * m for m in range(1, 10)}, {m: 0.3 for m in range(1, 10)}, 0.001, 0.4, 0.1
+    )
     return PolicyArtifacts(predictor, cost, lam)
 
 
@@ -139,8 +140,9 @@ def test_cost_aware_policies_from_the_factory_are_lossless_with_the_learned_pred
     for name, knobs in (("ecospec", {"gamma": 4}), ("ecospec-global", {}), ("marginal", {})):
         drafted = 0
         for prompt in ([5, 9, 2], [100, 3, 7, 7], [42]):
-            gen = engine.generate(prompt, make_policy(name, art, **knobs), max_new_tokens=12,
-                                  stop_at_eos=False)  # fmt: skip
+            gen = engine.generate(
+                prompt, make_policy(name, art, **knobs), max_new_tokens=12, stop_at_eos=False
+            )
             assert gen.tokens == greedy_continuation(pair.target, prompt, 12, eos_id=None), name
             drafted += sum(s.drafted for s in gen.steps)
         assert drafted > 0, name

@@ -100,21 +100,32 @@ def test_experts_column_round_trip():
     assert np.array_equal(experts_to_numpy(experts_array(routing), LAYERS, TOP_K), routing)
 
 
-def synthetic_tables(rng, seq_id: str, n: int, lmax: int, num_experts: int = 16,
-                     draws: dict[str, int] | None = None, category: str = "code"):  # fmt: skip
+def synthetic_tables(
+    rng,
+    seq_id: str,
+    n: int,
+    lmax: int,
+    num_experts: int = 16,
+    draws: dict[str, int] | None = None,
+    category: str = "code",
+):
     """Extraction-shaped Arrow tables (sequences, tokens, tails) for one sequence, with shared
     tails for every (acceptance, draw) in ``draws``; also the routing of tokens and tails."""
     draws = draws or {"surrogate": 2, "greedy": 1, "sampling": 2}
     routing = _random_routing(rng, n + 1, num_experts)
     q = rng.uniform(0.05, 1, n)
-    tokens = pa.table({
-        "seq_id": [seq_id] * (n + 1), "t": np.arange(n + 1, dtype=np.int32),
-        "token_id": rng.integers(0, 100, n + 1).astype(np.int32),
-        "draft_prob": pa.array([None, *q.tolist()], pa.float32()),
-        "draft_match": pa.array([None, *(q > 0.5).tolist()], pa.bool_()),
-        "target_prob": pa.array([None, *rng.uniform(0.05, 1, n).tolist()], pa.float32()),
-        "experts": experts_array(routing),
-    }, schema=TOKENS_SCHEMA)  # fmt: skip
+    tokens = pa.table(
+        {
+            "seq_id": [seq_id] * (n + 1),
+            "t": np.arange(n + 1, dtype=np.int32),
+            "token_id": rng.integers(0, 100, n + 1).astype(np.int32),
+            "draft_prob": pa.array([None, *q.tolist()], pa.float32()),
+            "draft_match": pa.array([None, *(q > 0.5).tolist()], pa.bool_()),
+            "target_prob": pa.array([None, *rng.uniform(0.05, 1, n).tolist()], pa.float32()),
+            "experts": experts_array(routing),
+        },
+        schema=TOKENS_SCHEMA,
+    )
     tails, rows = {}, []
     for acc, count in draws.items():
         for d in range(count):
@@ -123,20 +134,33 @@ def synthetic_tables(rng, seq_id: str, n: int, lmax: int, num_experts: int = 16,
                 tails[(acc, d, s)] = _random_routing(rng, length, num_experts)
                 rows += [(acc, d, s, r) for r in range(1, length + 1)]
     flat = np.concatenate([tails[(acc, d, s)][r - 1][None] for acc, d, s, r in rows])
-    tails_table = pa.table({
-        "seq_id": [seq_id] * len(rows), "mode": ["shared"] * len(rows),
-        "acceptance": [r[0] for r in rows], "draw": pa.array([r[1] for r in rows], pa.int32()),
-        "s": pa.array([r[2] for r in rows], pa.int32()),
-        "r": pa.array([r[3] for r in rows], pa.int32()),
-        "token_id": pa.array(np.zeros(len(rows)), pa.int32()), "experts": experts_array(flat),
-        "i": pa.nulls(len(rows), pa.int32()), "k": pa.nulls(len(rows), pa.int32()),
-        "a": pa.nulls(len(rows), pa.int32()),
-    }, schema=TAILS_SCHEMA)  # fmt: skip
-    sequences = pa.table({
-        "seq_id": [seq_id], "category": [category], "prompt_len": pa.array([7], pa.int32()),
-        "n_tokens": pa.array([n], pa.int32()), "source": ["synthetic"],
-        "prompt_ids": pa.array([[1, 2, 3, 4, 5, 6, 7]], pa.list_(pa.int32())),
-    }, schema=SEQUENCES_SCHEMA)  # fmt: skip
+    tails_table = pa.table(
+        {
+            "seq_id": [seq_id] * len(rows),
+            "mode": ["shared"] * len(rows),
+            "acceptance": [r[0] for r in rows],
+            "draw": pa.array([r[1] for r in rows], pa.int32()),
+            "s": pa.array([r[2] for r in rows], pa.int32()),
+            "r": pa.array([r[3] for r in rows], pa.int32()),
+            "token_id": pa.array(np.zeros(len(rows)), pa.int32()),
+            "experts": experts_array(flat),
+            "i": pa.nulls(len(rows), pa.int32()),
+            "k": pa.nulls(len(rows), pa.int32()),
+            "a": pa.nulls(len(rows), pa.int32()),
+        },
+        schema=TAILS_SCHEMA,
+    )
+    sequences = pa.table(
+        {
+            "seq_id": [seq_id],
+            "category": [category],
+            "prompt_len": pa.array([7], pa.int32()),
+            "n_tokens": pa.array([n], pa.int32()),
+            "source": ["synthetic"],
+            "prompt_ids": pa.array([[1, 2, 3, 4, 5, 6, 7]], pa.list_(pa.int32())),
+        },
+        schema=SEQUENCES_SCHEMA,
+    )
     return sequences, tokens, tails_table, routing, tails
 
 

@@ -137,14 +137,24 @@ def test_first_tokens_follow_each_rule_exactly():
         np.testing.assert_allclose(freq, exact.numpy(), atol=0.01, err_msg=acc)
         assert (freq[exact.numpy() == 0] == 0).all(), acc  # never off the rule's support
     greedy = tail_specs(3, 1, "shared", 0, "row", acceptances=("greedy",))
-    three = first_tokens(q_logits.expand(3, -1), p_logits.expand(3, -1),
-                         torch.full((3,), forbidden), greedy, temperature)  # fmt: skip
+    three = first_tokens(
+        q_logits.expand(3, -1),
+        p_logits.expand(3, -1),
+        torch.full((3,), forbidden),
+        greedy,
+        temperature,
+    )
     assert three.tolist() == [forbidden] * 3  # the argmax, even where it is the reference token
     # Draft = target: the residual has no mass, so the surrogate's rule (never x_{s+1}) applies.
     assert residual_probs(q.view(1, -1), q.view(1, -1)).sum() == 0
     specs = tail_specs(500, 1, "shared", 0, "row", acceptances=("sampling",), draws=1)
-    same = first_tokens(q_logits.expand(500, -1), q_logits.expand(500, -1),
-                        torch.full((500,), forbidden), specs, temperature)  # fmt: skip
+    same = first_tokens(
+        q_logits.expand(500, -1),
+        q_logits.expand(500, -1),
+        torch.full((500,), forbidden),
+        specs,
+        temperature,
+    )
     assert forbidden not in same.tolist() and len(set(same.tolist())) > 1
 
 
@@ -191,8 +201,9 @@ def test_extracted_rows_match_direct_forwards(pair, ref, mode):
 
 def test_probabilities_follow_the_temperature(pair, ref):
     temperature = 0.5
-    out = extract_sequence(pair, ref, 1, "shared", 0, acceptances=("greedy",),
-                           temperature=temperature)  # fmt: skip
+    out = extract_sequence(
+        pair, ref, 1, "shared", 0, acceptances=("greedy",), temperature=temperature
+    )
     tokens = out.tokens.to_pydict()
     draft_logits, target_logits = _direct_logits(pair, ref)
     x = torch.tensor(ref.response_ids).view(-1, 1)
@@ -207,8 +218,9 @@ def test_greedy_tails_are_the_drafts_greedy_continuation(pair):
     ref = _reference(5, 24, seed=4)
     tails = {}
     for temperature in (1.0, 0.3):  # greedy tails do not depend on the temperature
-        out = extract_sequence(pair, ref, LMAX, "shared", 0, acceptances=("greedy",),
-                               temperature=temperature)  # fmt: skip
+        out = extract_sequence(
+            pair, ref, LMAX, "shared", 0, acceptances=("greedy",), temperature=temperature
+        )
         tails[temperature] = out.tails
     assert tails[1.0].equals(tails[0.3])
     rows = tails[1.0].to_pandas()
@@ -224,8 +236,9 @@ def test_sampling_tails_start_only_where_the_draft_outweighs_the_target(pair):
     q > pi at temperature 0.8 (a rule that drew from q instead would break this ~40% of times)."""
     temperature = 0.8
     ref = _reference(5, 40, seed=7)
-    out = extract_sequence(pair, ref, 2, "shared", 1, acceptances=("sampling",), draws=3,
-                           temperature=temperature)  # fmt: skip
+    out = extract_sequence(
+        pair, ref, 2, "shared", 1, acceptances=("sampling",), draws=3, temperature=temperature
+    )
     first = out.tails.filter(pc.equal(out.tails.column("r"), 1)).to_pydict()
     assert len(first["s"]) == 3 * ref.n_tokens
     draft_logits, target_logits = _direct_logits(pair, ref)
@@ -255,8 +268,9 @@ def test_extraction_is_deterministic_and_independent_of_packing(pair, ref):
     c = extract_sequence(pair, ref, LMAX, "paper", seed=6)
     assert not a.tails.column("token_id").equals(c.tails.column("token_id"))
     # A set extracted alone equals the same set packed with every other one.
-    alone = extract_sequence(pair, ref, LMAX, "paper", seed=5, acceptances=("sampling",),
-                             chunk_tokens=11)  # fmt: skip
+    alone = extract_sequence(
+        pair, ref, LMAX, "paper", seed=5, acceptances=("sampling",), chunk_tokens=11
+    )
     assert alone.tails.equals(a.tails.filter(pc.equal(a.tails.column("acceptance"), "sampling")))
 
 

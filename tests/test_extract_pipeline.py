@@ -98,11 +98,34 @@ def test_rerun_with_other_parameters_is_refused(checkpoints, tmp_path):
 
 def _extract_cmd(checkpoints, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "jobs.extract", "--source", str(FIXTURE), "--limit", "6",
-        "--target", str(checkpoints.target), "--draft", str(checkpoints.draft),
-        "--out", str(out), "--lmax", "3", "--max-new-tokens", "6", "--shard-size", "1",
-        "--num-cpus", "2", "--tail-mode", "paper", "--trees", "eagle2", "--tree-budget", "2",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "jobs.extract",
+        "--source",
+        str(FIXTURE),
+        "--limit",
+        "6",
+        "--target",
+        str(checkpoints.target),
+        "--draft",
+        str(checkpoints.draft),
+        "--out",
+        str(out),
+        "--lmax",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--shard-size",
+        "1",
+        "--num-cpus",
+        "2",
+        "--tail-mode",
+        "paper",
+        "--trees",
+        "eagle2",
+        "--tree-budget",
+        "2",
+    ]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -140,9 +163,12 @@ def _kill_run(proc: subprocess.Popen, marker: str) -> None:
 
 
 def _assert_same_rows(full: Path, resumed: Path) -> None:
-    keys = {"sequences": ["seq_id"], "tokens": ["seq_id", "t"],
-            "tails": ["seq_id", "acceptance", "draw", "i", "k", "a", "r"],
-            "trees": ["seq_id", "rule", "i", "j"]}  # fmt: skip
+    keys = {
+        "sequences": ["seq_id"],
+        "tokens": ["seq_id", "t"],
+        "tails": ["seq_id", "acceptance", "draw", "i", "k", "a", "r"],
+        "trees": ["seq_id", "rule", "i", "j"],
+    }
     for name in TABLES:
         a = _sorted(read_table(full, name), keys[name])
         b = _sorted(read_table(resumed, name), keys[name])
@@ -159,15 +185,19 @@ def test_killed_run_resumes_to_exactly_the_uninterrupted_rows(checkpoints, tmp_p
     every run of this test resumes something."""
     env = _env(tmp_path)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    subprocess.run(_extract_cmd(checkpoints, full), env=env, check=True, timeout=600,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        _extract_cmd(checkpoints, full), env=env, check=True, timeout=600, capture_output=True
+    )
 
     marker = f"SPECBOUND_KILLED_RUN={uuid.uuid4().hex}"
     killed_env = {**env, marker.split("=")[0]: marker.split("=")[1]}
     proc = subprocess.Popen(
-        _extract_cmd(checkpoints, resumed), env=killed_env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        _extract_cmd(checkpoints, resumed),
+        env=killed_env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline and not completed_shards(resumed, TABLES):
         time.sleep(0.2)
@@ -178,8 +208,9 @@ def test_killed_run_resumes_to_exactly_the_uninterrupted_rows(checkpoints, tmp_p
     complete = completed_shards(resumed, TABLES)
     assert complete <= set(range(6)) - {2, 4}
 
-    done = subprocess.run(_extract_cmd(checkpoints, resumed), env=env, timeout=600,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        _extract_cmd(checkpoints, resumed), env=env, timeout=600, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     counts = re.search(r"(\d+) shards, (\d+) already complete, (\d+) to do", done.stdout)
     assert counts, done.stdout[-2000:]
@@ -219,16 +250,26 @@ def test_batched_actors_write_the_rows_of_one_at_a_time(checkpoints, tmp_path):
     try:
         for batch_size in (1, 3):
             out[batch_size] = tmp_path / f"b{batch_size}"
-            cfg = _config(checkpoints, out[batch_size], batch_size=batch_size, threads=1,
-                          trees=("eagle2-b2",), tree_budget=2)  # fmt: skip
-            result = run_extraction(cfg, prompts, str(FIXTURE), 6, shard_size=3, actors=1,
-                                    log=lambda *_: None)  # fmt: skip
+            cfg = _config(
+                checkpoints,
+                out[batch_size],
+                batch_size=batch_size,
+                threads=1,
+                trees=("eagle2-b2",),
+                tree_budget=2,
+            )
+            result = run_extraction(
+                cfg, prompts, str(FIXTURE), 6, shard_size=3, actors=1, log=lambda *_: None
+            )
             assert result["shards_done"] == 2
     finally:
         ray.shutdown()
-    keys = {"sequences": ["seq_id"], "tokens": ["seq_id", "t"],
-            "tails": ["seq_id", "acceptance", "draw", "s", "r"],
-            "trees": ["seq_id", "rule", "i", "j"]}  # fmt: skip
+    keys = {
+        "sequences": ["seq_id"],
+        "tokens": ["seq_id", "t"],
+        "tails": ["seq_id", "acceptance", "draw", "s", "r"],
+        "trees": ["seq_id", "rule", "i", "j"],
+    }
     probs = ("draft_prob", "target_prob", "path_prob")
     for name in TABLES:
         a = _sorted(read_table(out[1], name), keys[name])

@@ -106,15 +106,33 @@ def test_train_tiny_smoke(tmp_path):
 @pytest.mark.slow
 def test_train_tiny_second_draft_smoke(tmp_path):
     """--draft-for distils only a draft, of another depth, for an existing target."""
-    proc = _run(["jobs.train_tiny", "--draft-for", str(DEFAULT_TARGET), "--draft-layers", "2",
-                 "--out", "d2", "--draft-steps", "2", "--batch-size", "2", "--seq-len", "64",
-                 "--heldout-tokens", "2000"], cwd=tmp_path)  # fmt: skip
+    proc = _run(
+        [
+            "jobs.train_tiny",
+            "--draft-for",
+            str(DEFAULT_TARGET),
+            "--draft-layers",
+            "2",
+            "--out",
+            "d2",
+            "--draft-steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--heldout-tokens",
+            "2000",
+        ],
+        cwd=tmp_path,
+    )
     assert "2-layer draft" in proc.stdout
     config = json.loads((tmp_path / "d2" / "config.json").read_text())
     assert config["num_hidden_layers"] == 2
     assert (tmp_path / "d2" / "tokenizer.json").is_file()
-    missing = _run(["jobs.train_tiny", "--draft-for", "nowhere", "--out", "d3"], tmp_path,
-                   check=False)  # fmt: skip
+    missing = _run(
+        ["jobs.train_tiny", "--draft-for", "nowhere", "--out", "d3"], tmp_path, check=False
+    )
     assert missing.returncode != 0 and "no target checkpoint at nowhere" in missing.stderr
 
 
@@ -156,9 +174,17 @@ def test_bench_online_smoke(tmp_path):
         ["jobs.bench_online", "--limit", "1", "--max-new-tokens", "6", "--temperatures", "0,1"],
         cwd=tmp_path,
     )
-    for text in ("transformers assisted", "tree(depth=3", "ecospec(depth=3", "ecospec-global",
-                 "marginal", "oracle-replay (k*)", "of bound", "of replay",
-                 "oracle replay, prompt 0"):  # fmt: skip
+    for text in (
+        "transformers assisted",
+        "tree(depth=3",
+        "ecospec(depth=3",
+        "ecospec-global",
+        "marginal",
+        "oracle-replay (k*)",
+        "of bound",
+        "of replay",
+        "oracle replay, prompt 0",
+    ):
         assert text in proc.stdout, text
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("bench_online")
@@ -176,10 +202,26 @@ def test_bench_online_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_train_predictor_job_end_to_end(tmp_path):
-    _run(["jobs.extract", "--limit", "3", "--lmax", "1", "--max-new-tokens", "16", "--num-cpus",
-          "2", "--out", "traces"], cwd=tmp_path)  # fmt: skip
-    proc = _run(["jobs.train_predictor", "--extract", "traces", "--epochs", "2", "--out", "pred"],
-                cwd=tmp_path)  # fmt: skip
+    _run(
+        [
+            "jobs.extract",
+            "--limit",
+            "3",
+            "--lmax",
+            "1",
+            "--max-new-tokens",
+            "16",
+            "--num-cpus",
+            "2",
+            "--out",
+            "traces",
+        ],
+        cwd=tmp_path,
+    )
+    proc = _run(
+        ["jobs.train_predictor", "--extract", "traces", "--epochs", "2", "--out", "pred"],
+        cwd=tmp_path,
+    )
     assert "held-out top-4 overlap accuracy" in proc.stdout and "x a draft step" in proc.stdout
     report = json.loads((tmp_path / "pred" / "train_report.json").read_text())
     assert (tmp_path / "pred" / "predictor.safetensors").is_file()
@@ -206,11 +248,14 @@ def _check_predictor_report(report: dict, traces: Path, saved: Path) -> None:
     train_set, test_set = split_by_sequence(load_samples(traces, pair, pair.spec), 0.2, 0)
     assert (report["train_tokens"], report["held_out_tokens"]) == (len(train_set), len(test_set))
     predictor = LearnedExpertPredictor.load(saved)
-    predicted = predictor.predict_many(test_set.tokens.tolist(),
-                                       list(torch.from_numpy(test_set.contexts)))  # fmt: skip
-    hits = sum(len(set(p.tolist()) & set(a.tolist()))
-               for p_layers, a_layers in zip(predicted, test_set.experts, strict=True)
-               for p, a in zip(p_layers, a_layers, strict=True))  # fmt: skip
+    predicted = predictor.predict_many(
+        test_set.tokens.tolist(), list(torch.from_numpy(test_set.contexts))
+    )
+    hits = sum(
+        len(set(p.tolist()) & set(a.tolist()))
+        for p_layers, a_layers in zip(predicted, test_set.experts, strict=True)
+        for p, a in zip(p_layers, a_layers, strict=True)
+    )
     slots = test_set.experts.size  # tokens x MoE layers x top_k
     assert report["held_out_topk_overlap"] == pytest.approx(hits / slots, abs=1 / slots)
     assert report["predictor_ms"] > 0 and report["draft_step_ms"] > 0
@@ -225,10 +270,18 @@ def test_train_predictor_job_reports_a_missing_extraction(tmp_path):
 
 @pytest.mark.parametrize(
     ("job", "required"),
-    [("bench_extract", []), ("bench_online", []), ("bench_serve", []), ("calibrate", []),
-     ("extract", []), ("profile_routing", []), ("study", []), ("bench_tree", []),
-     ("train_predictor", ["--extract", "{tmp}"])],
-)  # fmt: skip
+    [
+        ("bench_extract", []),
+        ("bench_online", []),
+        ("bench_serve", []),
+        ("calibrate", []),
+        ("extract", []),
+        ("profile_routing", []),
+        ("study", []),
+        ("bench_tree", []),
+        ("train_predictor", ["--extract", "{tmp}"]),
+    ],
+)
 def test_every_job_that_loads_models_takes_the_experts_implementation(job, required, tmp_path):
     """A cost model is bound to the experts kernel it timed, so every job that loads the
     models says which one it runs."""
@@ -246,9 +299,11 @@ def test_policy_specs_parse_names_and_knobs():
 
     specs = "ar, fixed:k=2,throughput:max_k=8:rate=3.5,marginal:calibrate=true"
     assert parse_policy_specs(specs) == [
-        ("ar", {}), ("fixed", {"k": 2}), ("throughput", {"max_k": 8, "rate": 3.5}),
+        ("ar", {}),
+        ("fixed", {"k": 2}),
+        ("throughput", {"max_k": 8, "rate": 3.5}),
         ("marginal", {"calibrate": True}),
-    ]  # fmt: skip
+    ]
     for bad in ("", "fixed:k", "fixed:=2"):
         with pytest.raises(ValueError):
             parse_policy_specs(bad)
@@ -280,8 +335,12 @@ def test_bench_and_acceptance_arguments_are_checked_before_anything_loads(capsys
     from jobs.cli import parse_policy_specs
     from jobs.train_acceptance import parse_args as acceptance_args
 
-    for argv in (["--bound-at", "0.5"], ["--bound-at", "x"], ["--threads", "-1"],
-                 ["--no-bound", "--bound-at", "0"]):  # fmt: skip
+    for argv in (
+        ["--bound-at", "0.5"],
+        ["--bound-at", "x"],
+        ["--threads", "-1"],
+        ["--no-bound", "--bound-at", "0"],
+    ):
         with pytest.raises(SystemExit):
             bench_args(argv)
     assert bench_args(["--bound-at", "0"]).bound_at == [0.0]
@@ -294,8 +353,20 @@ def test_bench_and_acceptance_arguments_are_checked_before_anything_loads(capsys
 
 @pytest.mark.slow
 def test_bench_tree_smoke(tmp_path):
-    proc = _run(["jobs.bench_tree", "--limit", "1", "--max-new-tokens", "10", "--repeats", "1",
-                 "--budgets", "1,2,4"], cwd=tmp_path)  # fmt: skip
+    proc = _run(
+        [
+            "jobs.bench_tree",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "10",
+            "--repeats",
+            "1",
+            "--budgets",
+            "1,2,4",
+        ],
+        cwd=tmp_path,
+    )
     for text in (
         "tree bound beside the chain bound",
         "eagle2-b2",

@@ -58,9 +58,15 @@ SMALL_KNOBS: dict[str, dict[str, Any]] = {
     "batch": {"max_k": 2, "probe_every": 1},
 }
 # Proposal sizes each policy must show over all paths (its rule really branches).
-MUST_PROPOSE = {"heuristic": {1, 2}, "confidence": {1, 2}, "marginal": {0, 1, 2},
-                "cascade": {0, 1, 2}, "adaedl": {1, 2}, "specdec": {1, 2},
-                "throughput": {0, 1, 2}}  # fmt: skip
+MUST_PROPOSE = {
+    "heuristic": {1, 2},
+    "confidence": {1, 2},
+    "marginal": {0, 1, 2},
+    "cascade": {0, 1, 2},
+    "adaedl": {1, 2},
+    "specdec": {1, 2},
+    "throughput": {0, 1, 2},
+}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many tiny forwards
@@ -79,16 +85,22 @@ def artifacts(pair) -> PolicyArtifacts:
         ExpertMLP(VOCAB, pair.draft.config.hidden_size, spec.num_moe_layers, spec.num_experts),
         spec.top_k,
     )
-    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
-                     0.001, 0.4, 0.1)  # fmt: skip
+    cost = CostModel(
+        {m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)}, 0.001, 0.4, 0.1
+    )
     hidden = pair.draft.config.hidden_size
     head = [0.0] + torch.linspace(-1.0, 1.0, hidden).tolist()  # varies with the draft's state
     # Acceptance rises with the draft's confidence, which spans 0.35-0.56 on this pair.
-    mode = ModeModel(current=[-4.0, 0.0, 9.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0],
-                     next=[-4.0, 0.0, 9.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0], prior=0.5, head=head,
-                     spread=[-3.0, -2.0, -1.0])  # fmt: skip
-    acceptance = AcceptanceModel({"greedy": mode, "sampled": mode}, [2.0 + 0.5 * m for m in
-                                                                     range(13)])  # fmt: skip
+    mode = ModeModel(
+        current=[-4.0, 0.0, 9.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0],
+        next=[-4.0, 0.0, 9.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0],
+        prior=0.5,
+        head=head,
+        spread=[-3.0, -2.0, -1.0],
+    )
+    acceptance = AcceptanceModel(
+        {"greedy": mode, "sampled": mode}, [2.0 + 0.5 * m for m in range(13)]
+    )
     return PolicyArtifacts(predictor, cost, 500.0, acceptance)
 
 

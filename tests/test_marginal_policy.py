@@ -46,12 +46,18 @@ def _setup():
     # One MoE layer, top-2. Root token 9 uses {0, 1}; token 0 reuses them, token 1 adds {2, 3},
     # token 2 uses {0, 2} (already in the buffer by then).
     predictor = TokenExpertPredictor(
-        {9: np.array([[0, 1]]), 0: np.array([[0, 1]]), 1: np.array([[2, 3]]),
-         2: np.array([[0, 2]])}, np.array([[0, 1]]),
-    )  # fmt: skip
+        {
+            9: np.array([[0, 1]]),
+            0: np.array([[0, 1]]),
+            1: np.array([[2, 3]]),
+            2: np.array([[0, 2]]),
+        },
+        np.array([[0, 1]]),
+    )
     cost = CostModel({m: 5.0 for m in range(1, 6)}, {m: 1.0 for m in range(1, 6)}, 0.0, 0.5, 0.0)
-    drafter = ScriptedDrafter([[0.9, 0.05, 0.03, 0.02], [0.1, 0.8, 0.05, 0.05],
-                               [0.2, 0.2, 0.5, 0.1]])  # fmt: skip
+    drafter = ScriptedDrafter(
+        [[0.9, 0.05, 0.03, 0.02], [0.1, 0.8, 0.05, 0.05], [0.2, 0.2, 0.5, 0.1]]
+    )
     return predictor, cost, drafter
 
 
@@ -83,8 +89,9 @@ def test_marginal_policy_is_lossless_under_greedy_decoding_with_its_exit_firing(
     rng = np.random.default_rng(0)
     samples = [(int(t), np.sort(rng.choice(8, (2, 2), replace=True), axis=1)) for t in range(16)]
     predictor = TokenExpertPredictor.fit(samples, num_experts=8, top_k=2)
-    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 10)}, {m: 0.3 for m in range(1, 10)},
-                     0.001, 0.4, 0.1)  # fmt: skip
+    cost = CostModel(
+        {m: 4 + 0.2 * m for m in range(1, 10)}, {m: 0.3 for m in range(1, 10)}, 0.001, 0.4, 0.1
+    )
     engine = SpeculativeEngine(pair)
     for calibrate in (False, True):
         policy = MarginalPolicy(cost, lam=5.0, predictor=predictor, max_k=3, calibrate=calibrate)
@@ -119,8 +126,11 @@ def test_sampling_decides_before_it_draws_and_carries_the_drawn_token():
 
 
 def test_predictor_fit_and_overlap():
-    samples = [(1, np.array([[0, 1], [2, 3]])), (1, np.array([[0, 2], [2, 3]])),
-               (2, np.array([[4, 5], [6, 7]]))]  # fmt: skip
+    samples = [
+        (1, np.array([[0, 1], [2, 3]])),
+        (1, np.array([[0, 2], [2, 3]])),
+        (2, np.array([[4, 5], [6, 7]])),
+    ]
     predictor = TokenExpertPredictor.fit(samples, num_experts=8, top_k=2)
     assert predictor.predict(1)[1].tolist() == [2, 3]
     assert predictor.predict(1)[0].tolist()[0] == 0

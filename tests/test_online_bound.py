@@ -26,8 +26,9 @@ from pipeline.predictor.model import TokenExpertPredictor
 from tests.test_engine import perturbed_pair
 
 LMAX = 6
-COST = CostModel({m: 5.0 + 0.3 * m for m in range(1, 10)}, {m: 0.4 for m in range(1, 10)},
-                 0.001, 0.5, 0.1)  # fmt: skip
+COST = CostModel(
+    {m: 5.0 + 0.3 * m for m in range(1, 10)}, {m: 0.4 for m in range(1, 10)}, 0.001, 0.5, 0.1
+)
 PROMPTS = [[5, 9, 2], [100, 3, 7, 7, 1]]
 
 
@@ -36,9 +37,16 @@ def _chain_policies(pair):
     draft's confidences are small (~0.01), so lambda 250 makes `marginal` mix plain steps
     (a look that ended in k = 0: one draft forward) with one-token chains (two forwards)."""
     rng = np.random.default_rng(0)
-    samples = [(int(t), np.sort(rng.choice(pair.spec.num_experts, (pair.spec.num_moe_layers,
-                                                                    pair.spec.top_k)), axis=1))
-               for t in range(256)]  # fmt: skip
+    samples = [
+        (
+            int(t),
+            np.sort(
+                rng.choice(pair.spec.num_experts, (pair.spec.num_moe_layers, pair.spec.top_k)),
+                axis=1,
+            ),
+        )
+        for t in range(256)
+    ]
     predictor = TokenExpertPredictor.fit(samples, pair.spec.num_experts, pair.spec.top_k)
     return {
         "ar": lambda: make_policy("ar"),
@@ -85,8 +93,9 @@ def test_greedy_bound_is_at_least_every_chain_policys_modelled_speedup(family):
     speedups, looks = {}, set()
     for name, policy in _chain_policies(pair).items():
         for j, seq_bound in enumerate(bound.sequences):
-            gen = engine.generate(PROMPTS[j], policy(), max_new_tokens=len(outputs[j]),
-                                  stop_at_eos=False)  # fmt: skip
+            gen = engine.generate(
+                PROMPTS[j], policy(), max_new_tokens=len(outputs[j]), stop_at_eos=False
+            )
             assert gen.tokens == outputs[j], name
             run = modelled_generation(pair, PROMPTS[j], gen.tokens, gen.steps, COST)
             # The AR cost of the text, from the generation's own teacher-forced pass.
@@ -99,8 +108,9 @@ def test_greedy_bound_is_at_least_every_chain_policys_modelled_speedup(family):
             for i, rec in zip(run.states, gen.steps, strict=True):
                 looks.add((name, min(rec.drafted, 1), rec.draft_forwards - rec.drafted))
                 if i + rec.drafted <= n:  # cells past the text's end are not in the table
-                    assert rec.u_bar == pytest.approx(union[i, rec.drafted, rec.accepted],
-                                                      rel=1e-12), (name, i)  # fmt: skip
+                    assert rec.u_bar == pytest.approx(
+                        union[i, rec.drafted, rec.accepted], rel=1e-12
+                    ), (name, i)
     # A plain step priced online is the DP's k = 0 cell: `ar` costs exactly Cost_AR.
     assert all(speedups["ar", j] == pytest.approx(1.0, rel=1e-12) for j in range(2))
     assert len(set(np.round(list(speedups.values()), 9))) > 3  # the policies really differ
@@ -112,8 +122,10 @@ def test_sampling_bound_beats_every_schedule_on_the_same_draw():
     pair = perturbed_pair("qwen3_moe", noise=0.3)
     engine = SpeculativeEngine(pair)
     sampling = SamplingConfig(temperature=1.0)
-    gens = [engine.generate(p, make_policy("fixed", k=3), 24, sampling, seed=j,
-                            stop_at_eos=False) for j, p in enumerate(PROMPTS)]  # fmt: skip
+    gens = [
+        engine.generate(p, make_policy("fixed", k=3), 24, sampling, seed=j, stop_at_eos=False)
+        for j, p in enumerate(PROMPTS)
+    ]
     outputs = [g.tokens for g in gens]
     bound = sequence_bounds(pair, PROMPTS, outputs, COST, lmax=LMAX, acceptance="sampling")
     assert bound.speedup >= 1.0 and bound.speedup_crossfit is not None
@@ -126,8 +138,10 @@ def test_sampling_bound_beats_every_schedule_on_the_same_draw():
         left = n - np.arange(n)
         schedules = [np.minimum(k, left) for k in range(LMAX + 1)]
         q = b.seq.draft_prob
-        conf = [next((d for d in range(LMAX) if i + 1 + d > n or q[i + 1 + d] < 0.3), LMAX)
-                for i in range(n)]  # fmt: skip
+        conf = [
+            next((d for d in range(LMAX) if i + 1 + d > n or q[i + 1 + d] < 0.3), LMAX)
+            for i in range(n)
+        ]
         schedules.append(np.minimum(conf, left))
         for k_policy in schedules:
             assert dp0 <= evaluate_policy(b.probs, b.cost, k_policy)[0] + 1e-9

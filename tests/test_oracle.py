@@ -24,8 +24,7 @@ from pipeline.oracle.inputs import ACCEPTANCE_MODES, acceptance_probs
 
 def _model(lmax: int, alpha: float = 0.3, beta_slope: float = 0.2) -> CostModel:
     ms = range(1, lmax + 2)
-    return CostModel({m: 5.0 + beta_slope * m for m in ms}, {m: alpha for m in ms}, 0.001, 0.5,
-                     0.1)  # fmt: skip
+    return CostModel({m: 5.0 + beta_slope * m for m in ms}, {m: alpha for m in ms}, 0.001, 0.5, 0.1)
 
 
 def _union(rng, n, lmax, token_experts=None):
@@ -59,8 +58,9 @@ def _direct_value(probs, cost, policy):
         if i >= n:
             return 0.0
         k = policy[i]
-        return sum(probs[i, k, a] * (cost[i, k, a] + value(min(i + a + 1, n)))
-                   for a in range(k + 1))  # fmt: skip
+        return sum(
+            probs[i, k, a] * (cost[i, k, a] + value(min(i + a + 1, n))) for a in range(k + 1)
+        )
 
     return value(0)
 
@@ -174,8 +174,9 @@ def test_bound_never_decreases_with_lmax_and_one_pass_solves_every_lmax():
         r = np.concatenate([[np.nan], rng.uniform(0.3, 0.99, n)])
         probs = acceptance_table(r, lmax, plain_step)
         cost = cost_table(_model(lmax), _union(rng, n, lmax), 100)
-        sliced = [solve(probs[:, : L + 1, : L + 1], cost[:, : L + 1, : L + 1])
-                  for L in range(1, lmax + 1)]  # fmt: skip
+        sliced = [
+            solve(probs[:, : L + 1, : L + 1], cost[:, : L + 1, : L + 1]) for L in range(1, lmax + 1)
+        ]
         dp0 = [s.dp[0] for s in sliced]
         assert all(b <= a + 1e-9 for a, b in zip(dp0, dp0[1:], strict=False))
         assert dp0[-1] < dp0[0] - 1e-6  # not vacuous: longer chains pay here
@@ -212,8 +213,10 @@ def test_in_sample_bound_beats_every_schedule_on_the_same_draw(mode):
     left = n - np.arange(n)
     schedules = [np.minimum(k, left) for k in range(lmax + 1)]
     # A state-dependent chain rule: draft while the draft's confidence stays >= 0.5.
-    run = [next((j for j in range(lmax) if i + 1 + j > n or q[i + 1 + j] < 0.5), lmax)
-           for i in range(n)]  # fmt: skip
+    run = [
+        next((j for j in range(lmax) if i + 1 + j > n or q[i + 1 + j] < 0.5), lmax)
+        for i in range(n)
+    ]
     schedules.append(np.minimum(run, left))
     for k_policy in schedules:
         assert dp0 <= evaluate_policy(probs, cost, k_policy)[0] + 1e-9

@@ -39,12 +39,17 @@ def synthetic_artifacts(pair) -> PolicyArtifacts:
     torch.manual_seed(0)
     spec = pair.spec
     predictor = LearnedExpertPredictor(
-        ExpertMLP(pair.draft.config.vocab_size, pair.draft.config.hidden_size,
-                  spec.num_moe_layers, spec.num_experts),
+        ExpertMLP(
+            pair.draft.config.vocab_size,
+            pair.draft.config.hidden_size,
+            spec.num_moe_layers,
+            spec.num_experts,
+        ),
         spec.top_k,
-    )  # fmt: skip
-    cost = CostModel({m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)},
-                     0.001, 0.4, 0.1)  # fmt: skip
+    )
+    cost = CostModel(
+        {m: 4 + 0.2 * m for m in range(1, 14)}, {m: 0.3 for m in range(1, 14)}, 0.001, 0.4, 0.1
+    )
     hidden = pair.draft.config.hidden_size
     weights = [-2.0, 0.0, 5.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0]  # over FEATURE_NAMES
     mode = ModeModel(weights, weights, 0.5, [0.5] + [0.01] * hidden, [-1.0, 0.0, 1.0])
@@ -147,6 +152,7 @@ def test_every_registered_policy_is_lossless_at_temperature_zero(pair, artifacts
     for name in POLICIES:
         for prompt in prompts:
             expected = greedy_continuation(pair.target, prompt, 12, eos_id=None)
-            gen = engine.generate(prompt, make_policy(name, artifacts), max_new_tokens=12,
-                                  stop_at_eos=False)  # fmt: skip
+            gen = engine.generate(
+                prompt, make_policy(name, artifacts), max_new_tokens=12, stop_at_eos=False
+            )
             assert gen.tokens == expected, (name, prompt)

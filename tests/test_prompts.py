@@ -284,5 +284,6 @@ def test_sharegpt_source_from_the_packaged_dataset() -> None:
     five = load_prompts("sharegpt", 5)
     assert five == everything[:5] == load_prompts(" ShareGPT ", 5)
     assert len({p.prompt_id for p in everything}) == len(everything)
-    assert all(len(p.text.strip()) >= 4 and len(p.text.encode()) <= MAX_PROMPT_BYTES
-               for p in everything)  # fmt: skip
+    assert all(
+        len(p.text.strip()) >= 4 and len(p.text.encode()) <= MAX_PROMPT_BYTES for p in everything
+    )

@@ -64,17 +64,33 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _ray(args: list[str], env, timeout=300, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [str(BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
 
 
 def _submit_and_wait(address: str, job_id: str, entrypoint: list[str], env, runtime_env) -> None:
-    _ray(["job", "submit", "--address", address, "--submission-id", job_id, "--no-wait",
-          "--working-dir", str(REPO_ROOT), "--runtime-env-json", json.dumps(runtime_env),
-          "--", *entrypoint], env)  # fmt: skip
+    _ray(
+        [
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--submission-id",
+            job_id,
+            "--no-wait",
+            "--working-dir",
+            str(REPO_ROOT),
+            "--runtime-env-json",
+            json.dumps(runtime_env),
+            "--",
+            *entrypoint,
+        ],
+        env,
+    )
     deadline = time.time() + 600
     status = ""
     while time.time() < deadline:
@@ -104,17 +120,22 @@ def _start_head(env, tmp_path: Path, attempts: int = 3) -> tuple[subprocess.Pope
     why = ""
     for attempt in range(attempts):
         gcs, dash, agent, client = _unused_ports(4)
-        head = (f"--head --port {gcs} --dashboard-port {dash} --dashboard-agent-listen-port "
-                f"{agent} --ray-client-server-port {client} --num-cpus 2 "
-                "--include-dashboard true --disable-usage-stats --block")  # fmt: skip
+        head = (
+            f"--head --port {gcs} --dashboard-port {dash} --dashboard-agent-listen-port "
+            f"{agent} --ray-client-server-port {client} --num-cpus 2 "
+            "--include-dashboard true --disable-usage-stats --block"
+        )
         log = tmp_path / f"ray-head-{attempt}.log"
         # --block keeps `ray start` in the foreground: stopping its process group stops this
         # head alone, not other Ray clusters on the machine (as `ray stop` would).
         with log.open("w") as out:
             proc = subprocess.Popen(
-                [str(BIN / "ray"), "start", *head.split()], env={**env, "PYTHONUNBUFFERED": "1"},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                [str(BIN / "ray"), "start", *head.split()],
+                env={**env, "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.time() + 180
         while proc.poll() is None and time.time() < deadline:
             found = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", log.read_text())
@@ -140,24 +161,70 @@ def test_extract_and_oracle_as_ray_jobs(checkpoints, tmp_path):
         runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
         extract_dir, oracle_dir = tmp_path / "extract", tmp_path / "oracle"
         models = ["--target", str(checkpoints.target), "--draft", str(checkpoints.draft)]
-        _submit_and_wait(address, f"extract-{port}", [
-            "python", "-m", "jobs.extract", "--source", str(FIXTURE), "--limit", "2",
-            "--lmax", "3", "--max-new-tokens", "6", "--shard-size", "1",
-            "--trees", "eagle2", "--tree-budget", "3", "--out", str(extract_dir), *models,
-        ], env, runtime_env)  # fmt: skip
+        _submit_and_wait(
+            address,
+            f"extract-{port}",
+            [
+                "python",
+                "-m",
+                "jobs.extract",
+                "--source",
+                str(FIXTURE),
+                "--limit",
+                "2",
+                "--lmax",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--shard-size",
+                "1",
+                "--trees",
+                "eagle2",
+                "--tree-budget",
+                "3",
+                "--out",
+                str(extract_dir),
+                *models,
+            ],
+            env,
+            runtime_env,
+        )
         assert len(list((extract_dir / "tails").glob("shard-*.parquet"))) == 2
         costmodel = tmp_path / "costmodel.json"
         # A synthetic model that says it was measured on the extraction's checkpoints (the
         # oracle refuses one that does not).
-        measured_on = {"experts_implementation": "eager",
-                       "target_fingerprint": checkpoint_fingerprint(checkpoints.target),
-                       "draft_fingerprint": checkpoint_fingerprint(checkpoints.draft)}  # fmt: skip
-        CostModel({m: 4.0 + 0.3 * m for m in range(1, 5)}, {m: 0.1 for m in range(1, 5)},
-                   0.001, 0.3, 0.05, meta=measured_on).save(costmodel)  # fmt: skip
-        _submit_and_wait(address, f"oracle-{port}", [
-            "python", "-m", "jobs.oracle", "--extract", str(extract_dir), "--costmodel",
-            str(costmodel), "--target", str(checkpoints.target), "--out", str(oracle_dir),
-        ], env, runtime_env)  # fmt: skip
+        measured_on = {
+            "experts_implementation": "eager",
+            "target_fingerprint": checkpoint_fingerprint(checkpoints.target),
+            "draft_fingerprint": checkpoint_fingerprint(checkpoints.draft),
+        }
+        CostModel(
+            {m: 4.0 + 0.3 * m for m in range(1, 5)},
+            {m: 0.1 for m in range(1, 5)},
+            0.001,
+            0.3,
+            0.05,
+            meta=measured_on,
+        ).save(costmodel)
+        _submit_and_wait(
+            address,
+            f"oracle-{port}",
+            [
+                "python",
+                "-m",
+                "jobs.oracle",
+                "--extract",
+                str(extract_dir),
+                "--costmodel",
+                str(costmodel),
+                "--target",
+                str(checkpoints.target),
+                "--out",
+                str(oracle_dir),
+            ],
+            env,
+            runtime_env,
+        )
         assert (oracle_dir / "decisions.parquet").is_file()
         assert json.loads((oracle_dir / "policy.json").read_text())["lmax"] == 3
         trees = pd.read_csv(oracle_dir / "tree_bound.csv")

@@ -25,9 +25,12 @@ pytestmark = pytest.mark.slow
 
 REQUEST_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 5.0
-WORST = {"prompt": "class Stack:\n    def push(self, item):\n        ", "max_tokens": 1024,
-         "temperature": 0, "speculation": {"policy": "tree", "depth": 52, "branch": 2,
-                                           "gamma": 64}}  # fmt: skip
+WORST = {
+    "prompt": "class Stack:\n    def push(self, item):\n        ",
+    "max_tokens": 1024,
+    "temperature": 0,
+    "speculation": {"policy": "tree", "depth": 52, "branch": 2, "gamma": 64},
+}
 
 
 def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
@@ -36,18 +39,31 @@ def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
     with held_port() as port:
         config = {
             "http_options": {"host": "127.0.0.1", "port": port},
-            "applications": [{
-                "name": "specbound", "route_prefix": "/", "import_path": "serving.app:build_app",
-                "args": {"device": "cpu", "num_gpus": 0, "num_cpus": 1,
-                         "request_timeout_s": REQUEST_TIMEOUT_S,
-                         "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S},
-            }],
-        }  # fmt: skip
+            "applications": [
+                {
+                    "name": "specbound",
+                    "route_prefix": "/",
+                    "import_path": "serving.app:build_app",
+                    "args": {
+                        "device": "cpu",
+                        "num_gpus": 0,
+                        "num_cpus": 1,
+                        "request_timeout_s": REQUEST_TIMEOUT_S,
+                        "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
+                    },
+                }
+            ],
+        }
         path = tmp_path / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
-        proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=REPO_ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [str(serve_bin), "run", str(path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(base, 300)
@@ -68,8 +84,10 @@ def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
         proc.wait(timeout=budget)
         took = time.monotonic() - interrupted
         worker.join(30)
-        print(f"\nserve run exited {took:.1f} s after SIGINT with a generation running "
-              f"(request: {outcome[0] if outcome else 'no answer'})")  # fmt: skip
+        print(
+            f"\nserve run exited {took:.1f} s after SIGINT with a generation running "
+            f"(request: {outcome[0] if outcome else 'no answer'})"
+        )
         assert took < budget
     finally:
         if proc.poll() is None:
@@ -81,7 +99,10 @@ def _post(base: str) -> str:
     """What the client saw: the finish reason, or the transport error."""
     try:
         r = httpx.post(f"{base}/v1/completions", json=WORST, timeout=120)
-        return f"{r.status_code} {r.json()['choices'][0]['finish_reason']}" if r.is_success \
-            else f"{r.status_code}"  # fmt: skip
+        return (
+            f"{r.status_code} {r.json()['choices'][0]['finish_reason']}"
+            if r.is_success
+            else f"{r.status_code}"
+        )
     except httpx.HTTPError as exc:
         return type(exc).__name__

@@ -25,19 +25,40 @@ def test_sweep_measures_every_cell_of_both_modes(tmp_path: Path, monkeypatch, ca
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # its own local cluster
     results = []
     real = bench_serve_sweep.run_sweep
-    monkeypatch.setattr(bench_serve_sweep, "run_sweep",
-                        lambda *a, **k: results.append(real(*a, **k)) or results[-1])  # fmt: skip
+    monkeypatch.setattr(
+        bench_serve_sweep, "run_sweep", lambda *a, **k: results.append(real(*a, **k)) or results[-1]
+    )
     out = tmp_path / "out"
-    metrics = bench_serve_sweep.main([
-        "--source", "sharegpt", "--limit", "4", "--max-tokens", "4", "--concurrency", "1,2",
-        "--policies", json.dumps([POLICY]), "--modes", "single,batched", "--num-cpus", "2",
-        "--device", "cpu", "--out", str(out),
-    ])  # fmt: skip
+    metrics = bench_serve_sweep.main(
+        [
+            "--source",
+            "sharegpt",
+            "--limit",
+            "4",
+            "--max-tokens",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--policies",
+            json.dumps([POLICY]),
+            "--modes",
+            "single,batched",
+            "--num-cpus",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     (result,) = results
     label = policy_label(POLICY)
     assert [(c.mode, c.concurrency, c.policy) for c in result.cells] == [
-        ("single", 1, label), ("single", 2, label), ("batched", 1, label), ("batched", 2, label),
-    ]  # fmt: skip
+        ("single", 1, label),
+        ("single", 2, label),
+        ("batched", 1, label),
+        ("batched", 2, label),
+    ]
     for cell in result.cells:
         assert len(cell.outcomes) == 4
         for o in cell.outcomes:
@@ -64,13 +85,15 @@ def test_sweep_measures_every_cell_of_both_modes(tmp_path: Path, monkeypatch, ca
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--policies", '[{"policy": "fixed", "k": 0}]'], "k must be >= 1"),
-     (["--policies", '{"policy": "ar"}'], "non-empty JSON list"),
-     (["--policies", '[{"policy": "nope"}]'], "unknown policy"),
-     (["--modes", "single,fast"], "distinct modes"),
-     (["--concurrency", "1,0"], "integers >= 1"),
-     (["--limit", "4", "--concurrency", "1,8"], "leaves clients idle")],
-)  # fmt: skip
+    [
+        (["--policies", '[{"policy": "fixed", "k": 0}]'], "k must be >= 1"),
+        (["--policies", '{"policy": "ar"}'], "non-empty JSON list"),
+        (["--policies", '[{"policy": "nope"}]'], "unknown policy"),
+        (["--modes", "single,fast"], "distinct modes"),
+        (["--concurrency", "1,0"], "integers >= 1"),
+        (["--limit", "4", "--concurrency", "1,8"], "leaves clients idle"),
+    ],
+)
 def test_sweep_command_line_refuses_bad_input(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         bench_serve_sweep.parse_args(argv)
@@ -85,8 +108,20 @@ def test_sweep_defaults_and_labels() -> None:
 
 
 def test_modes_differ_only_in_max_batch() -> None:
-    settings = SweepSettings("t", "d", "cpu", "auto", "eager", ({"policy": "ar"},), (1, 32),
-                             ("single", "batched"), 8, 0.0, 1.0, max_batch=16)  # fmt: skip
+    settings = SweepSettings(
+        "t",
+        "d",
+        "cpu",
+        "auto",
+        "eager",
+        ({"policy": "ar"},),
+        (1, 32),
+        ("single", "batched"),
+        8,
+        0.0,
+        1.0,
+        max_batch=16,
+    )
     single, batched = settings.replica_args("single"), settings.replica_args("batched")
     assert (single.pop("max_batch"), batched.pop("max_batch")) == (1, 16)
     assert single == batched and single["max_ongoing_requests"] == 32

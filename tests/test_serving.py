@@ -263,8 +263,13 @@ def test_raw_stream_is_openai_sse(server):
 
 @pytest.mark.slow
 def test_stop_string_ends_text_and_stream_alike(client, pair):
-    kwargs = {"model": "specbound", "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0,
-              "stop": ["return", "xyz"]}  # fmt: skip
+    kwargs = {
+        "model": "specbound",
+        "prompt": PROMPTS[0],
+        "max_tokens": 32,
+        "temperature": 0,
+        "stop": ["return", "xyz"],
+    }
     done = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True))
     assert done.choices[0].finish_reason == "stop" == chunks[-1].choices[0].finish_reason
@@ -280,8 +285,12 @@ def test_stop_string_ends_text_and_stream_alike(client, pair):
 def test_greedy_over_http_equals_plain_greedy(server, pair, policy, knobs):
     for prompt in [*PROMPTS, *(p.text for p in load_prompts("humaneval", 2))]:
         ref_tokens, ref_text = _plain_greedy(pair, prompt, 32)
-        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0,
-                "speculation": {"policy": policy, **knobs}}  # fmt: skip
+        body = {
+            "prompt": prompt,
+            "max_tokens": 32,
+            "temperature": 0,
+            "speculation": {"policy": policy, **knobs},
+        }
         out, elapsed_ms = _timed_post(server, body)
         assert out["choices"][0]["text"].encode() == ref_text.encode()
         assert out["usage"]["completion_tokens"] == len(ref_tokens)
@@ -297,8 +306,13 @@ def test_client_disconnect_stops_the_generation(server):
     take 3 s) while the disconnect reaches the replica in milliseconds; that a cancelled
     generation runs no further step is test_a_cancelled_stream_stops_before_its_next_step."""
     before = httpx.get(f"{server}/healthz", timeout=30).json()["generations"]
-    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS_LIMIT, "temperature": 0,
-            "stream": True, "speculation": {"policy": "ar"}}  # fmt: skip
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": MAX_TOKENS_LIMIT,
+        "temperature": 0,
+        "stream": True,
+        "speculation": {"policy": "ar"},
+    }
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")  # the first delta: it is running
@@ -321,8 +335,13 @@ def test_sampling_follows_seed_and_top_p(server, pair):
     engine, ids = SpeculativeEngine(pair), _ids(pair, PROMPTS[0])
 
     def http(seed: int, top_p: float) -> str:
-        body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "top_p": top_p,
-                "seed": seed}  # fmt: skip
+        body = {
+            "prompt": PROMPTS[0],
+            "max_tokens": 16,
+            "temperature": 1.0,
+            "top_p": top_p,
+            "seed": seed,
+        }
         r = _post(server, body)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
@@ -332,8 +351,9 @@ def test_sampling_follows_seed_and_top_p(server, pair):
         texts[seed] = http(seed, 0.9)
         # The server's default policy (the request names none), decoded by the library.
         name, knobs = default_spec(load_artifacts())
-        library = engine.generate(ids, make_policy(name, **knobs), 16,
-                                  SamplingConfig(1.0, 0.9), seed=seed)  # fmt: skip
+        library = engine.generate(
+            ids, make_policy(name, **knobs), 16, SamplingConfig(1.0, 0.9), seed=seed
+        )
         assert texts[seed] == library.text, seed
     assert http(1, 0.9) == texts[1]
     assert len(set(texts.values())) > 1, texts
@@ -359,39 +379,99 @@ BAD_INPUTS = [
     ("max-tokens-float", {"prompt": "x", "max_tokens": 5.5}, 400, "valid integer", "max_tokens"),
     ("max-tokens-zero", {"prompt": "x", "max_tokens": 0}, 400, ">= 1", "max_tokens"),
     ("max-tokens-negative", {"prompt": "x", "max_tokens": -1}, 400, ">= 1", "max_tokens"),
-    ("max-tokens-over-limit", {"prompt": "x", "max_tokens": 100000}, 400,
-     f"<= {MAX_TOKENS_LIMIT}", "max_tokens"),
-    ("prompt-too-long", {"prompt": LONG_PROMPT, "max_tokens": 16}, 400, "context of 2048",
-     "prompt"),
-    ("temperature-negative", {"prompt": "x", "temperature": -1}, 400, "greater than or equal",
-     "temperature"),
+    (
+        "max-tokens-over-limit",
+        {"prompt": "x", "max_tokens": 100000},
+        400,
+        f"<= {MAX_TOKENS_LIMIT}",
+        "max_tokens",
+    ),
+    (
+        "prompt-too-long",
+        {"prompt": LONG_PROMPT, "max_tokens": 16},
+        400,
+        "context of 2048",
+        "prompt",
+    ),
+    (
+        "temperature-negative",
+        {"prompt": "x", "temperature": -1},
+        400,
+        "greater than or equal",
+        "temperature",
+    ),
     ("top-p-zero", {"prompt": "x", "top_p": 0}, 400, "greater than 0", "top_p"),
     ("top-p-two", {"prompt": "x", "top_p": 2}, 400, "less than or equal to 1", "top_p"),
     ("stream-string", {"prompt": "x", "stream": "yes"}, 400, "valid boolean", "stream"),
     ("stop-int", {"prompt": "x", "stop": 3}, 400, "stop", "stop"),
     ("too-many-stops", {"prompt": "x", "stop": list("abcde")}, 400, "at most 4", "stop"),
     ("unknown-field", {"prompt": "x", "promt": "y"}, 400, "unsupported field 'promt'", "promt"),
-    ("unsupported-openai-field", {"prompt": "x", "logprobs": 3}, 400,
-     "logprobs: not supported", "logprobs"),
+    (
+        "unsupported-openai-field",
+        {"prompt": "x", "logprobs": 3},
+        400,
+        "logprobs: not supported",
+        "logprobs",
+    ),
     ("wrong-model", {"prompt": "x", "model": "gpt-4"}, 404, "'gpt-4' does not exist", "model"),
-    ("unknown-policy", {"prompt": "x", "speculation": {"policy": "magic"}}, 400,
-     "unknown policy 'magic'", "speculation"),
-    ("speculation-not-object", {"prompt": "x", "speculation": "fixed"}, 400, "speculation",
-     "speculation"),
-    ("fixed-k-zero", {"prompt": "x", "speculation": {"policy": "fixed", "k": 0}}, 400,
-     "k must be >= 1", "speculation"),
-    ("fixed-k-huge", {"prompt": "x", "speculation": {"policy": "fixed", "k": 10000}}, 400,
-     "'k' = 10000 is too large", "speculation.k"),
-    ("fixed-k-float", {"prompt": "x", "speculation": {"policy": "fixed", "k": 2.5}}, 400,
-     "'k' must be an integer", "speculation.k"),
-    ("unknown-knob", {"prompt": "x", "speculation": {"policy": "fixed", "kk": 3}}, 400,
-     "'kk'", "speculation"),
-    ("knob-named-like-a-parameter", {"prompt": "x", "speculation": {"policy": "fixed",
-     "name": "tree"}}, 400, "unknown knob 'name'", "speculation.name"),
-    ("knob-list", {"prompt": "x", "speculation": {"policy": "tree", "depth": [3]}}, 400,
-     "'depth' must be a number", "speculation.depth"),
+    (
+        "unknown-policy",
+        {"prompt": "x", "speculation": {"policy": "magic"}},
+        400,
+        "unknown policy 'magic'",
+        "speculation",
+    ),
+    (
+        "speculation-not-object",
+        {"prompt": "x", "speculation": "fixed"},
+        400,
+        "speculation",
+        "speculation",
+    ),
+    (
+        "fixed-k-zero",
+        {"prompt": "x", "speculation": {"policy": "fixed", "k": 0}},
+        400,
+        "k must be >= 1",
+        "speculation",
+    ),
+    (
+        "fixed-k-huge",
+        {"prompt": "x", "speculation": {"policy": "fixed", "k": 10000}},
+        400,
+        "'k' = 10000 is too large",
+        "speculation.k",
+    ),
+    (
+        "fixed-k-float",
+        {"prompt": "x", "speculation": {"policy": "fixed", "k": 2.5}},
+        400,
+        "'k' must be an integer",
+        "speculation.k",
+    ),
+    (
+        "unknown-knob",
+        {"prompt": "x", "speculation": {"policy": "fixed", "kk": 3}},
+        400,
+        "'kk'",
+        "speculation",
+    ),
+    (
+        "knob-named-like-a-parameter",
+        {"prompt": "x", "speculation": {"policy": "fixed", "name": "tree"}},
+        400,
+        "unknown knob 'name'",
+        "speculation.name",
+    ),
+    (
+        "knob-list",
+        {"prompt": "x", "speculation": {"policy": "tree", "depth": [3]}},
+        400,
+        "'depth' must be a number",
+        "speculation.depth",
+    ),
     ("oversized-body", {"prompt": "x" * (1 << 20)}, 413, "limit", None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.slow
@@ -402,8 +482,12 @@ BAD_INPUTS = [
 )
 def test_bad_input_is_a_4xx_json_error(server, body, status, keyword, param):
     if isinstance(body, bytes):
-        r = httpx.post(f"{server}/v1/completions", content=body, timeout=60,
-                       headers={"content-type": "application/json"})  # fmt: skip
+        r = httpx.post(
+            f"{server}/v1/completions",
+            content=body,
+            timeout=60,
+            headers={"content-type": "application/json"},
+        )
     else:
         r = _post(server, body, timeout=60)
     assert r.status_code == status, r.text
@@ -455,9 +539,15 @@ def test_every_listed_policy_answers_with_plain_greedy_text(server, pair):
     for prompt in PROMPTS:
         ref_tokens, ref_text = _plain_greedy(pair, prompt, 16)
         for name in names:
-            out, elapsed_ms = _timed_post(server, {"prompt": prompt, "max_tokens": 16,
-                                                   "temperature": 0,
-                                                   "speculation": {"policy": name}})  # fmt: skip
+            out, elapsed_ms = _timed_post(
+                server,
+                {
+                    "prompt": prompt,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "speculation": {"policy": name},
+                },
+            )
             assert out["speculation"]["policy"] == name
             assert out["choices"][0]["text"] == ref_text, (name, prompt)
             assert out["usage"]["completion_tokens"] == len(ref_tokens), name
@@ -479,8 +569,14 @@ def test_unexpected_exception_is_a_500_json_error_without_traceback():
 
     r = TestClient(api, raise_server_exceptions=False).get("/boom")
     assert r.status_code == 500
-    assert r.json() == {"error": {"message": "internal server error", "type": "server_error",
-                                  "param": None, "code": None}}  # fmt: skip
+    assert r.json() == {
+        "error": {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
     assert "secret" not in r.text and "Traceback" not in r.text
 
 
@@ -505,8 +601,10 @@ def _percentiles(latencies: list[float]) -> tuple[float, float]:
 @pytest.mark.slow
 def test_load_concurrent_clients(server, record_property):
     clients, total = 8, 32
-    bodies = [{"prompt": PROMPTS[i % 2], "max_tokens": 16, "temperature": 1.0, "seed": i}
-              for i in range(total)]  # fmt: skip
+    bodies = [
+        {"prompt": PROMPTS[i % 2], "max_tokens": 16, "temperature": 1.0, "seed": i}
+        for i in range(total)
+    ]
 
     def one(body: dict) -> tuple[int, float]:
         started = time.perf_counter()
@@ -520,8 +618,10 @@ def test_load_concurrent_clients(server, record_property):
     errors = [status for status, _ in results if status != 200]
     assert not errors, errors
     p50, p99 = _percentiles([t for _, t in results])
-    line = (f"load: {total} requests, {clients} clients, max_tokens 16: {total / wall:.2f} req/s, "
-            f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, 0 errors")  # fmt: skip
+    line = (
+        f"load: {total} requests, {clients} clients, max_tokens 16: {total / wall:.2f} req/s, "
+        f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, 0 errors"
+    )
     print(f"\n{line}")
     record_property("load", line)
 
@@ -531,9 +631,13 @@ def _replica_actor_names() -> list[str]:
 
     from serving.app import DEPLOYMENT_NAME
 
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::") and DEPLOYMENT_NAME in a["name"]
-            and APP_NAME in a["name"]]  # fmt: skip
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::")
+        and DEPLOYMENT_NAME in a["name"]
+        and APP_NAME in a["name"]
+    ]
 
 
 class _StreamFailed(Exception):
@@ -545,8 +649,9 @@ def _stream_text(server: str, body: dict, on_first_delta) -> str:
     A non-200, an error event or a stream cut before its final chunk and [DONE] raises."""
     parts: list[str] = []
     finished = done = False
-    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True},
-                      timeout=60) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
         if r.status_code != 200:
             raise _StreamFailed(f"status {r.status_code}")
         for line in r.iter_lines():
@@ -607,13 +712,23 @@ def test_killed_replica_loses_no_retried_request(server, pair, record_property):
         ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
         killed_at.append(time.monotonic())
 
-    probe = {"prompt": PROMPTS[0], "max_tokens": probe_tokens, "temperature": 0,
-             "speculation": {"policy": "ar"}}  # fmt: skip
+    probe = {
+        "prompt": PROMPTS[0],
+        "max_tokens": probe_tokens,
+        "temperature": 0,
+        "speculation": {"policy": "ar"},
+    }
     probe_attempts = [0]
     with ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(with_retries, {"prompt": PROMPTS[i % 2], "max_tokens": 16,
-                                              "temperature": 0}, attempts, i)
-                   for i in range(total)]  # fmt: skip
+        futures = [
+            pool.submit(
+                with_retries,
+                {"prompt": PROMPTS[i % 2], "max_tokens": 16, "temperature": 0},
+                attempts,
+                i,
+            )
+            for i in range(total)
+        ]
         probe_text = with_retries(probe, probe_attempts, 0, first=kill)
         texts = [f.result() for f in futures]
     recovered_s = time.monotonic() - killed_at[0]
@@ -624,7 +739,9 @@ def test_killed_replica_loses_no_retried_request(server, pair, record_property):
     (new,) = _replica_actor_names()
     assert new != old  # the controller replaced the killed replica
     retried = sum(a > 1 for a in attempts)
-    line = (f"replica killed with {in_flight[0]} of {total} requests and a stream outstanding: "
-            f"{retried} retried, all succeeded, {recovered_s:.1f}s after the kill")  # fmt: skip
+    line = (
+        f"replica killed with {in_flight[0]} of {total} requests and a stream outstanding: "
+        f"{retried} retried, all succeeded, {recovered_s:.1f}s after the kill"
+    )
     print(f"\n{line}")
     record_property("failover", line)

@@ -31,9 +31,11 @@ def scrape(url: str) -> Samples:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return [(s.name, dict(s.labels), s.value)
-            for family in text_string_to_metric_families(text)
-            for s in family.samples]  # fmt: skip
+    return [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:
@@ -42,8 +44,9 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return sum(found) if found else None
 
 
-def until_exported(url: str, check: Callable[[Samples], None],
-                   deadline_s: float = SCRAPE_DEADLINE_S) -> None:  # fmt: skip
+def until_exported(
+    url: str, check: Callable[[Samples], None], deadline_s: float = SCRAPE_DEADLINE_S
+) -> None:
     """Scrape until ``check(samples)`` passes (values arrive once per report interval, and a
     scrape may land between two parts of one report); past the deadline, its failure stands.
     The deadline is a liveness bound only."""
@@ -81,9 +84,16 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
     # Defined here and using only importable modules: the replica unpickles it by value
     # (workers cannot import this test module).
     def _step(drafted: int, accepted: int, experts: list[int]) -> StepRecord:
-        return StepRecord(drafted=drafted, verified=drafted + 1, accepted=accepted,
-                          new_tokens=accepted + 1, unique_experts=experts, t_draft_ms=100.0,
-                          t_verify_ms=200.0, draft_forwards=drafted)  # fmt: skip
+        return StepRecord(
+            drafted=drafted,
+            verified=drafted + 1,
+            accepted=accepted,
+            new_tokens=accepted + 1,
+            unique_experts=experts,
+            t_draft_ms=100.0,
+            t_verify_ms=200.0,
+            draft_forwards=drafted,
+        )
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Recorder:
@@ -98,8 +108,14 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
             m.request("chat", 200, 0.02)
             m.request("/v1/completions/../../secret?x=1", 404, 0.002)  # free text -> "other"
             steps = [_step(4, 3, [6, 8]), _step(4, 1, [10, 12])]  # u_bar 7 and 11
-            m.generation("fixed", steps, prompt_tokens=5, completion_tokens=6,
-                         finish_reason="length", ttft_s=0.2)  # fmt: skip
+            m.generation(
+                "fixed",
+                steps,
+                prompt_tokens=5,
+                completion_tokens=6,
+                finish_reason="length",
+                ttft_s=0.2,
+            )
             # Autoregressive: nothing drafted, so no drafted increment, no acceptance rate.
             m.generation("ar", [_step(0, 0, [3, 5])], 2, 1, "eos", None)
             m.generation("no-such-policy", [], 1, 1, "whatever", None)
@@ -122,10 +138,14 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
         latency = "ray_specbound_request_latency_seconds"
         assert value(s, f"{latency}_count", route="completions", status="200", **app) == 2
         # Ray rebuilds histograms from bucket counts: a sum is only known within its buckets.
-        assert 0.25 + 0.5 <= value(s, f"{latency}_sum", route="completions", status="200",
-                                   **app) <= 0.5 + 1.0  # fmt: skip
-        assert value(s, f"{latency}_bucket", route="completions", status="200", le="0.5",
-                     **app) == 1  # fmt: skip
+        assert (
+            0.25 + 0.5
+            <= value(s, f"{latency}_sum", route="completions", status="200", **app)
+            <= 0.5 + 1.0
+        )
+        assert (
+            value(s, f"{latency}_bucket", route="completions", status="200", le="0.5", **app) == 1
+        )
         # Serve labels the series with the replica's deployment.
         assert value(s, requests, deployment="Recorder", **app) == 5
 
@@ -133,9 +153,17 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
         assert value(s, generations, policy="fixed", finish_reason="length", **app) == 1
         assert value(s, generations, policy="ar", finish_reason="eos", **app) == 1
         assert value(s, generations, policy="other", finish_reason="other", **app) == 1
-        totals = {"prompt_tokens": 5, "completion_tokens": 6, "drafted_tokens": 8,
-                  "accepted_tokens": 4, "verification_steps": 2, "verified_positions": 10,
-                  "draft_seconds": 0.2, "verify_seconds": 0.4, "unique_experts": 18}  # fmt: skip
+        totals = {
+            "prompt_tokens": 5,
+            "completion_tokens": 6,
+            "drafted_tokens": 8,
+            "accepted_tokens": 4,
+            "verification_steps": 2,
+            "verified_positions": 10,
+            "draft_seconds": 0.2,
+            "verify_seconds": 0.4,
+            "unique_experts": 18,
+        }
         for name, expected in totals.items():
             assert value(s, f"ray_specbound_{name}_total", **ours) == pytest.approx(expected), name
         assert value(s, "ray_specbound_drafted_tokens_total", policy="ar", **app) is None
@@ -161,8 +189,11 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
         assert value(s, "ray_specbound_stalled", **app) == 1
 
     # The helper the endpoint's tests use: a counter, a histogram by base name, a gauge.
-    names = ["ray_specbound_requests_total", "ray_specbound_acceptance_rate",
-             "ray_specbound_stalled"]  # fmt: skip
+    names = [
+        "ray_specbound_requests_total",
+        "ray_specbound_acceptance_rate",
+        "ray_specbound_stalled",
+    ]
     assert "ray_specbound_acceptance_rate_bucket{" in scrape_metrics(names, 60, cluster)
     with pytest.raises(TimeoutError, match="ray_specbound_nothing"):
         scrape_metrics(["ray_specbound_nothing"], timeout_s=0, url=cluster)

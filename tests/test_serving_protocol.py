@@ -125,8 +125,18 @@ def test_bad_completion_fields(body, param, keyword):
 
 
 def test_completion_fields_accepted():
-    req = parse_request({"prompt": "x", "n": MAX_N, "timeout_s": 2, "stop": "\n", "seed": 3,
-                         "logit_bias": {}, "best_of": 1, "echo": False})  # fmt: skip
+    req = parse_request(
+        {
+            "prompt": "x",
+            "n": MAX_N,
+            "timeout_s": 2,
+            "stop": "\n",
+            "seed": 3,
+            "logit_bias": {},
+            "best_of": 1,
+            "echo": False,
+        }
+    )
     assert (req.n, req.timeout_s, req.stops, req.requested_max_tokens) == (MAX_N, 2.0, ["\n"], 16)
     assert parse_request({"prompt": "x"}).timeout_s is None
 
@@ -139,21 +149,36 @@ def _chat(**fields) -> dict:
 
 
 def test_chat_request_forms():
-    req = parse_chat_request({
-        "messages": [
-            {"role": "system", "content": "Be terse."},
-            {"role": "developer", "content": [{"type": "text", "text": "a"},
-                                              {"type": "text", "text": "b"}]},
-            {"role": "user", "content": "Hi", "name": "alice"},
-            {"role": "assistant", "content": ""},
-        ],
-        "model": "specbound", "max_completion_tokens": 5, "n": 2, "stream": True,
-        "stream_options": {"include_usage": True}, "timeout_s": 1.5, "user": "u",
-        # OpenAI's fields at their neutral values
-        "logprobs": False, "top_logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0,
-        "logit_bias": {}, "response_format": {"type": "text"}, "tools": [],
-        "tool_choice": "none", "parallel_tool_calls": None,
-    })  # fmt: skip
+    req = parse_chat_request(
+        {
+            "messages": [
+                {"role": "system", "content": "Be terse."},
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "user", "content": "Hi", "name": "alice"},
+                {"role": "assistant", "content": ""},
+            ],
+            "model": "specbound",
+            "max_completion_tokens": 5,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "timeout_s": 1.5,
+            "user": "u",
+            # OpenAI's fields at their neutral values
+            "logprobs": False,
+            "top_logprobs": None,
+            "frequency_penalty": 0,
+            "presence_penalty": 0.0,
+            "logit_bias": {},
+            "response_format": {"type": "text"},
+            "tools": [],
+            "tool_choice": "none",
+            "parallel_tool_calls": None,
+        }
+    )
     assert req.chat_messages == [
         {"role": "system", "content": "Be terse."},
         {"role": "developer", "content": "a\nb"},  # text parts joined with newlines
@@ -180,25 +205,57 @@ BAD_CHATS = [
     ({"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "NoneType"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "an empty list"),
-    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content",
-     "surrogate"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
-     "messages[0].tool_calls", "unsupported field"),
-    ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name",
-     "valid string"),
-    ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]",
-     "content part object"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}]}]},
-     "messages[0].content[1].type", "only 'text' parts"),
-    ({"messages": [{"role": "user", "content": [{"text": "a"}]}]},
-     "messages[0].content[0].type", "'type' is missing"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-     "messages[0].content[0].text", "got nothing"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-     "messages[0].content[0].text", "int 1"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]},
-     "messages[0].content[0].cache", "unsupported field"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content", "surrogate"),
+    (
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        "messages[0].tool_calls",
+        "unsupported field",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x", "name": 3}]},
+        "messages[0].name",
+        "valid string",
+    ),
+    (
+        {"messages": [{"role": "user", "content": ["x"]}]},
+        "messages[0].content[0]",
+        "content part object",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "image_url", "image_url": {"url": "u"}},
+                    ],
+                }
+            ]
+        },
+        "messages[0].content[1].type",
+        "only 'text' parts",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"text": "a"}]}]},
+        "messages[0].content[0].type",
+        "'type' is missing",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content[0].text",
+        "got nothing",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+        "messages[0].content[0].text",
+        "int 1",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]},
+        "messages[0].content[0].cache",
+        "unsupported field",
+    ),
     (_chat(max_tokens=3, max_completion_tokens=4), "max_completion_tokens", "send one"),
     (_chat(max_tokens="3"), "max_tokens", "valid integer"),
     (_chat(logprobs=True), "logprobs", "not supported"),
@@ -213,7 +270,7 @@ BAD_CHATS = [
     (_chat(stop=[1]), "stop[0]", "expected a string"),
     (_chat(prompt="x"), "prompt", "unsupported field 'prompt'"),
     (_chat(functions=[]), "functions", "unsupported field"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("body", "param", "keyword"), BAD_CHATS)
@@ -316,8 +373,10 @@ def _small_app(key_getter=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
-                                            "owned_by": "me"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "me"}],
+        }
 
     return app
 
@@ -424,8 +483,17 @@ def _bodies_app() -> FastAPI:
         def events():
             for choice, use in STREAM:
                 last = use is not None
-                yield sse(build(cid, 1, "m", [choice], chunk=True, usage=use,
-                                speculation=SPEC if last else None))  # fmt: skip
+                yield sse(
+                    build(
+                        cid,
+                        1,
+                        "m",
+                        [choice],
+                        chunk=True,
+                        usage=use,
+                        speculation=SPEC if last else None,
+                    )
+                )
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -443,20 +511,30 @@ def _bodies_app() -> FastAPI:
 
 def _openai(app: FastAPI, key: str = "k", strict: bool = False) -> openai.AsyncOpenAI:
     transport = httpx2.ASGITransport(app=app)
-    return openai.AsyncOpenAI(api_key=key, base_url="http://test/v1", max_retries=0,
-                              http_client=httpx2.AsyncClient(transport=transport),
-                              _strict_response_validation=strict)  # fmt: skip
+    return openai.AsyncOpenAI(
+        api_key=key,
+        base_url="http://test/v1",
+        max_retries=0,
+        http_client=httpx2.AsyncClient(transport=transport),
+        _strict_response_validation=strict,
+    )
 
 
 async def _both(strict: bool = False):
     async with _openai(_bodies_app(), strict=strict) as client:
         text = await client.completions.create(model="m", prompt="x")
         chat = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "x"}])  # fmt: skip
-        text_chunks = [c async for c in await client.completions.create(
-            model="m", prompt="x", stream=True)]  # fmt: skip
-        chat_chunks = [c async for c in await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "x"}], stream=True)]  # fmt: skip
+            model="m", messages=[{"role": "user", "content": "x"}]
+        )
+        text_chunks = [
+            c async for c in await client.completions.create(model="m", prompt="x", stream=True)
+        ]
+        chat_chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], stream=True
+            )
+        ]
     return text, chat, text_chunks, chat_chunks
 
 
@@ -464,13 +542,15 @@ def test_openai_client_parses_the_bodies():
     text, chat, text_chunks, chat_chunks = asyncio.run(_both())
     assert isinstance(text, Completion) and text.id.startswith("cmpl-")
     assert [(c.index, c.text, c.finish_reason) for c in text.choices] == [
-        (0, "Hello", "length"), (1, "Wor", "deadline")]  # fmt: skip
+        (0, "Hello", "length"),
+        (1, "Wor", "deadline"),
+    ]
     assert text.usage.total_tokens == 6 and text.model_extra["speculation"] == SPEC
     assert isinstance(chat, ChatCompletion) and chat.id.startswith("chatcmpl-")
     assert chat.object == "chat.completion"
-    assert [(c.index, c.message.role, c.message.content, c.finish_reason)
-            for c in chat.choices] == [(0, "assistant", "Hello", "length"),
-                                       (1, "assistant", "Wor", "deadline")]  # fmt: skip
+    assert [
+        (c.index, c.message.role, c.message.content, c.finish_reason) for c in chat.choices
+    ] == [(0, "assistant", "Hello", "length"), (1, "assistant", "Wor", "deadline")]
     assert chat.usage.completion_tokens == 3 and chat.model_extra["speculation"] == SPEC
 
     def joined(chunks, get) -> dict[int, str]:

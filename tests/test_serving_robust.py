@@ -55,12 +55,28 @@ def server() -> str:
     from serving.metrics import start_ray_with_metrics
 
     apps = [
-        (APP, "/", {"api_key": API_KEY, "request_timeout_s": REQUEST_TIMEOUT_S,
-                    "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S, "num_cpus": 1}),
-        (STALL_APP, "/stall", {"policy_modules": ["tests.stall_policy"], "num_cpus": 0.5,
-                               "request_timeout_s": 5, "shutdown_timeout_s": 2,
-                               "stall_timeout_s": STALL_TIMEOUT_S}),
-    ]  # fmt: skip
+        (
+            APP,
+            "/",
+            {
+                "api_key": API_KEY,
+                "request_timeout_s": REQUEST_TIMEOUT_S,
+                "shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
+                "num_cpus": 1,
+            },
+        ),
+        (
+            STALL_APP,
+            "/stall",
+            {
+                "policy_modules": ["tests.stall_policy"],
+                "num_cpus": 0.5,
+                "request_timeout_s": 5,
+                "shutdown_timeout_s": 2,
+                "stall_timeout_s": STALL_TIMEOUT_S,
+            },
+        ),
+    ]
     with serve_apps(apps, lambda: start_ray_with_metrics(num_cpus=2)) as base:
         yield base
 
@@ -80,14 +96,21 @@ def client(server) -> openai.OpenAI:
 def _replicas(app: str) -> list[str]:
     import ray
 
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::") and f"{app}#" in a["name"]]  # fmt: skip
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and f"{app}#" in a["name"]
+    ]
 
 
 def test_api_key_auth(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                       headers=headers, timeout=60)  # fmt: skip
+        r = httpx.post(
+            f"{server}/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers=headers,
+            timeout=60,
+        )
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert "Traceback" not in r.text
@@ -112,8 +135,9 @@ def test_the_request_that_pinned_a_replica_is_refused_naming_its_knobs(server):
 
 
 def test_worst_is_the_largest_tree_the_limits_allow():
-    check_step_limits(make_policy("tree", **{k: v for k, v in WORST.items() if k != "policy"}),
-                      StepLimits())  # fmt: skip
+    check_step_limits(
+        make_policy("tree", **{k: v for k, v in WORST.items() if k != "policy"}), StepLimits()
+    )
     with pytest.raises(StepLimitError):
         check_step_limits(make_policy("tree", depth=53, branch=2, gamma=64), StepLimits())
 
@@ -137,8 +161,13 @@ def test_worst_request_ends_by_its_deadline_and_others_are_served(server, pair):
             peak[0] = max(peak[0], _rss_mb(server))
             time.sleep(0.25)
 
-    worst = {"prompt": LONG_PROMPT, "max_tokens": 1024, "temperature": 0, "n": 16,
-             "speculation": WORST}  # fmt: skip
+    worst = {
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1024,
+        "temperature": 0,
+        "n": 16,
+        "speculation": WORST,
+    }
     with ThreadPoolExecutor(2) as pool:
         watcher = pool.submit(watch)
         started = time.monotonic()
@@ -163,20 +192,28 @@ def test_worst_request_ends_by_its_deadline_and_others_are_served(server, pair):
         assert choice["finish_reason"] == "deadline", choice["finish_reason"]
         assert choice["text"] and reference.startswith(choice["text"])
     grown = peak[0] - baseline
-    print(f"\nworst allowed request ({WORST}, max_tokens 1024, n 16): ended by its deadline after "
-          f"{worst_s:.1f} s ({out['usage']['completion_tokens']} tokens); ordinary 16-token "
-          f"request beside it {ordinary_s:.1f} s; replica RSS +{grown:.0f} MB "
-          f"(from {baseline:.0f} MB)")  # fmt: skip
+    print(
+        f"\nworst allowed request ({WORST}, max_tokens 1024, n 16): ended by its deadline after "
+        f"{worst_s:.1f} s ({out['usage']['completion_tokens']} tokens); ordinary 16-token "
+        f"request beside it {ordinary_s:.1f} s; replica RSS +{grown:.0f} MB "
+        f"(from {baseline:.0f} MB)"
+    )
     assert worst_s < REQUEST_TIMEOUT_S + 15  # one WORST step and the response: seconds
     assert ordinary_s < ORDINARY_BOUND_S
     assert grown < MEMORY_BOUND_MB
 
 
 def test_a_client_that_leaves_stops_its_work_within_a_step(server):
-    worst = {"prompt": LONG_PROMPT, "max_tokens": 1024, "temperature": 0, "speculation": WORST,
-             "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{server}/v1/completions", json=worst, headers=AUTH,
-                      timeout=60) as r:  # fmt: skip
+    worst = {
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1024,
+        "temperature": 0,
+        "speculation": WORST,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json=worst, headers=AUTH, timeout=60
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
@@ -202,11 +239,14 @@ def _greedy_from_ids(pair, ids: list[int], n: int) -> str:
 
 
 def test_openai_client_chat_plain_streaming_and_n(client, pair):
-    messages = [{"role": "system", "content": "You write Python."},
-                {"role": "user", "content": "def add(a, b):"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "def add(a, b):"},
+    ]
     expected = _greedy_from_ids(pair, _chat_ids(pair, messages), 12)
-    out = client.chat.completions.create(model="specbound", messages=messages, max_tokens=12,
-                                         temperature=0, n=2)  # fmt: skip
+    out = client.chat.completions.create(
+        model="specbound", messages=messages, max_tokens=12, temperature=0, n=2
+    )
     assert out.object == "chat.completion" and len(out.choices) == 2
     assert [c.index for c in out.choices] == [0, 1]
     for choice in out.choices:
@@ -214,9 +254,9 @@ def test_openai_client_chat_plain_streaming_and_n(client, pair):
         assert choice.message.content == expected
     parts: dict[int, list[str]] = {0: [], 1: []}
     finish: dict[int, str] = {}
-    for chunk in client.chat.completions.create(model="specbound", messages=messages,
-                                                max_tokens=12, temperature=0, n=2,
-                                                stream=True):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        model="specbound", messages=messages, max_tokens=12, temperature=0, n=2, stream=True
+    ):
         for c in chunk.choices:
             parts[c.index].append(c.delta.content or "")
             if c.finish_reason:
@@ -224,9 +264,20 @@ def test_openai_client_chat_plain_streaming_and_n(client, pair):
     assert {i: "".join(p) for i, p in parts.items()} == {0: expected, 1: expected}
     assert set(finish) == {0, 1}
     # Sampling with n = 2 and one seed: two different draws, reproducible.
-    draws = [[c.message.content for c in client.chat.completions.create(
-        model="specbound", messages=messages, max_tokens=12, temperature=1, n=2, seed=7,
-    ).choices] for _ in range(2)]  # fmt: skip
+    draws = [
+        [
+            c.message.content
+            for c in client.chat.completions.create(
+                model="specbound",
+                messages=messages,
+                max_tokens=12,
+                temperature=1,
+                n=2,
+                seed=7,
+            ).choices
+        ]
+        for _ in range(2)
+    ]
     assert draws[0] == draws[1]
     assert draws[0][0] != draws[0][1]
 
@@ -237,13 +288,15 @@ def test_token_id_and_list_prompts(client, pair):
     out = client.completions.create(model="specbound", prompt=ids, max_tokens=8, temperature=0)
     assert out.choices[0].text == expected
     short = plain_greedy(pair, SHORT_PROMPT, 8)[1]
-    out = client.completions.create(model="specbound", prompt=[LONG_PROMPT, SHORT_PROMPT],
-                                    max_tokens=8, temperature=0, n=2)  # fmt: skip
+    out = client.completions.create(
+        model="specbound", prompt=[LONG_PROMPT, SHORT_PROMPT], max_tokens=8, temperature=0, n=2
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert [c.text for c in out.choices] == [expected, expected, short, short]
     short_ids = pair.tokenizer(SHORT_PROMPT, add_special_tokens=False)["input_ids"]
-    out = client.completions.create(model="specbound", prompt=[ids, short_ids], max_tokens=8,
-                                    temperature=0)  # fmt: skip
+    out = client.completions.create(
+        model="specbound", prompt=[ids, short_ids], max_tokens=8, temperature=0
+    )
     assert [c.text for c in out.choices] == [expected, short]
     with pytest.raises(openai.BadRequestError, match="prompt"):
         client.completions.create(model="specbound", prompt=[ids, [10**9]], max_tokens=2)
@@ -252,9 +305,12 @@ def test_token_id_and_list_prompts(client, pair):
 def test_metrics_reach_prometheus(server):
     from serving.metrics import scrape_metrics
 
-    names = ("ray_specbound_requests_total", "ray_specbound_drafted_tokens_total",
-             "ray_specbound_accepted_tokens_total",
-             "ray_specbound_unique_experts_per_verification")  # fmt: skip
+    names = (
+        "ray_specbound_requests_total",
+        "ray_specbound_drafted_tokens_total",
+        "ray_specbound_accepted_tokens_total",
+        "ray_specbound_unique_experts_per_verification",
+    )
     labels = ('policy="tree"', 'route="completions"', 'route="chat"')
     text = scrape_metrics(names, timeout_s=90, contains=labels)
     assert all(label in text for label in labels)
@@ -266,10 +322,16 @@ def test_a_stalled_decode_loop_gets_the_replica_replaced(server):
     controller replaces the replica, which then serves."""
     base = f"{server}/stall"
     (old,) = _replicas(STALL_APP)
-    stuck = threading.Thread(target=lambda: _swallow(lambda: httpx.post(
-        f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 4,
-                                        "speculation": {"policy": "stall"}}, timeout=20)),
-        daemon=True)  # fmt: skip
+    stuck = threading.Thread(
+        target=lambda: _swallow(
+            lambda: httpx.post(
+                f"{base}/v1/completions",
+                json={"prompt": "x", "max_tokens": 4, "speculation": {"policy": "stall"}},
+                timeout=20,
+            )
+        ),
+        daemon=True,
+    )
     stuck.start()
     started = time.monotonic()
     while True:
@@ -302,8 +364,9 @@ def test_deleting_the_app_mid_generation_is_bounded(server):
     from ray import serve
 
     worst = {"prompt": LONG_PROMPT, "max_tokens": 1024, "temperature": 0, "speculation": WORST}
-    pending = threading.Thread(target=lambda: _swallow(lambda: _post(server, worst, 120)),
-                               daemon=True)  # fmt: skip
+    pending = threading.Thread(
+        target=lambda: _swallow(lambda: _post(server, worst, 120)), daemon=True
+    )
     pending.start()
     started = time.monotonic()
     while httpx.get(f"{server}/healthz", timeout=30).json()["in_flight"] < 1:

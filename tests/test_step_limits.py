@@ -41,13 +41,20 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "fixed": [{"k": 1}, {"k": 12}],
     "heuristic": [{"start_k": 12, "max_k": 3}, {"start_k": 1, "max_k": 9}],
     "confidence": [{"threshold": 0.0, "max_k": 12}, {"threshold": 0.9, "max_k": 5}],
-    "tree": [{"depth": 1, "branch": 3, "gamma": 2}, {"depth": 5, "branch": 3, "gamma": 30},
-             {"depth": 2, "branch": 8, "gamma": 64}, {"depth": 7, "branch": 1, "gamma": 64}],
+    "tree": [
+        {"depth": 1, "branch": 3, "gamma": 2},
+        {"depth": 5, "branch": 3, "gamma": 30},
+        {"depth": 2, "branch": 8, "gamma": 64},
+        {"depth": 7, "branch": 1, "gamma": 64},
+    ],
     "ecospec": [{"depth": 4, "branch": 3, "gamma": 12}],
     "ecospec-global": [{"depth": 2, "branch": 4, "gamma": 64}],
-    "marginal": [{"lam": 1e6, "max_k": 10}, {"lam": 0.01, "max_k": 5},
-                 {"max_k": 12, "calibrate": True}],
-}  # fmt: skip
+    "marginal": [
+        {"lam": 1e6, "max_k": 10},
+        {"lam": 0.01, "max_k": 5},
+        {"max_k": 12, "calibrate": True},
+    ],
+}
 DRAWS = 2  # random knob settings per policy, integer knobs capped for speed
 INT_CAP = 6
 
@@ -59,8 +66,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many tiny forwards
 def pairs() -> dict[str, Any]:
     """An exact draft (every draft token accepted: the catch-up is as large as it gets) and a
     noisy one (rejections, early stops)."""
-    return {"exact": perturbed_pair("qwen3_moe", noise=0.0, sharpen=4.0),
-            "noisy": perturbed_pair("qwen3_moe", noise=0.3, sharpen=4.0)}  # fmt: skip
+    return {
+        "exact": perturbed_pair("qwen3_moe", noise=0.0, sharpen=4.0),
+        "noisy": perturbed_pair("qwen3_moe", noise=0.3, sharpen=4.0),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +111,27 @@ def test_steps_never_exceed_the_declared_step_work(name, pairs, artifacts):
     whose limits are exactly the declared work is never stopped (the runtime accounting
     agrees with the declaration)."""
     for knobs in _settings(name):
-        for pair_name, sampling in (("exact", SamplingConfig()),
-                                    ("noisy", SamplingConfig(temperature=1.0))):  # fmt: skip
+        for pair_name, sampling in (
+            ("exact", SamplingConfig()),
+            ("noisy", SamplingConfig(temperature=1.0)),
+        ):
             policy = make_policy(name, artifacts, **knobs)
             work = policy.step_work()
             exact = StepLimits(work.draft_forwards, work.draft_tokens, work.verified)
             steps = _observe(pairs[pair_name], policy, sampling, exact)
-            seen = (max(s.draft_forwards for s in steps), max(s.draft_tokens for s in steps),
-                    max(s.verified for s in steps))  # fmt: skip
+            seen = (
+                max(s.draft_forwards for s in steps),
+                max(s.draft_tokens for s in steps),
+                max(s.verified for s in steps),
+            )
             declared = (work.draft_forwards, work.draft_tokens, work.verified)
             assert all(o <= d for o, d in zip(seen, declared, strict=True)), (
-                name, knobs, pair_name, seen, declared)  # fmt: skip
+                name,
+                knobs,
+                pair_name,
+                seen,
+                declared,
+            )
 
 
 @pytest.mark.parametrize("k", [1, 4, 12])
@@ -123,8 +142,11 @@ def test_the_chain_bound_is_reached_with_an_exact_draft(k, pairs):
     steps = _observe(pairs["exact"], policy, SamplingConfig(), None)
     work = policy.step_work()
     last = steps[-1]
-    assert (last.draft_forwards, last.draft_tokens, last.verified) == (
-        work.draft_forwards, work.draft_tokens, work.verified) == (k, 2 * k, k + 1)  # fmt: skip
+    assert (
+        (last.draft_forwards, last.draft_tokens, last.verified)
+        == (work.draft_forwards, work.draft_tokens, work.verified)
+        == (k, 2 * k, k + 1)
+    )
 
 
 def test_a_deep_wide_tree_is_refused_naming_its_knobs_and_the_limit():
@@ -142,14 +164,20 @@ def test_a_shallow_wide_tree_is_refused_for_the_nodes_it_scores(artifacts):
     64 + 64^2 nodes: bounded by max_tree_nodes."""
     for name in ("tree", "ecospec"):
         policy = make_policy(name, artifacts, depth=2, branch=64, gamma=64)
-        with pytest.raises(StepLimitError, match=r"builds a draft tree of 4,160 nodes.*at most "
-                                                 r"256 \(lower depth or branch\)"):  # fmt: skip
+        with pytest.raises(
+            StepLimitError,
+            match=r"builds a draft tree of 4,160 nodes.*at most "
+            r"256 \(lower depth or branch\)",
+        ):
             check_step_limits(policy, StepLimits())
 
 
 def test_the_verified_limit_names_gamma():
-    with pytest.raises(StepLimitError, match=r"gamma 10 verifies 10 positions.*at most 9 "
-                                             r"\(lower gamma\)"):  # fmt: skip
+    with pytest.raises(
+        StepLimitError,
+        match=r"gamma 10 verifies 10 positions.*at most 9 "
+        r"\(lower gamma\)",
+    ):
         StepLimits(max_verified=9).check("tree", TreePolicy(4, 2, 10).step_work())
     with pytest.raises(StepLimitError, match=r"fixed: k 9 runs 9 draft forwards.*at most 8"):
         check_step_limits(FixedPolicy(9), StepLimits(max_draft_forwards=8))
@@ -158,8 +186,11 @@ def test_the_verified_limit_names_gamma():
 def test_every_policy_s_defaults_and_every_chain_pass_the_default_limits(artifacts):
     for name in POLICIES:
         check_step_limits(make_policy(name, artifacts), StepLimits())
-    for name, knobs in (("fixed", {"k": 64}), ("heuristic", {"start_k": 64, "max_k": 64}),
-                        ("confidence", {"max_k": 64})):  # fmt: skip
+    for name, knobs in (
+        ("fixed", {"k": 64}),
+        ("heuristic", {"start_k": 64, "max_k": 64}),
+        ("confidence", {"max_k": 64}),
+    ):
         check_step_limits(make_policy(name, **knobs), StepLimits())
     # The deepest branch-2 tree the default 256 draft tokens admit, and one level more.
     check_step_limits(make_policy("tree", depth=52, branch=2, gamma=64), StepLimits())
@@ -203,8 +234,9 @@ class BlindChain(Policy):
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         token = int(drafter.begin(committed).argmax())
-        return Candidates([token] * self.k, list(range(-1, self.k - 1)), [None] * self.k,
-                          [1.0] * self.k)  # fmt: skip
+        return Candidates(
+            [token] * self.k, list(range(-1, self.k - 1)), [None] * self.k, [1.0] * self.k
+        )
 
     def step_work(self) -> StepWork:
         return StepWork(1, 2, 2, "k 1")
@@ -251,8 +283,9 @@ def text_pair(pairs, tokenizer):
 
 
 def _stream(pair, **kw):
-    return SpeculativeEngine(pair).stream(PROMPT, make_policy("fixed", k=2), 24,
-                                          stop_at_eos=False, **kw)  # fmt: skip
+    return SpeculativeEngine(pair).stream(
+        PROMPT, make_policy("fixed", k=2), 24, stop_at_eos=False, **kw
+    )
 
 
 def test_step_deltas_yield_once_per_step_and_join_to_the_text(text_pair):
@@ -341,8 +374,13 @@ def test_cascade_declares_its_catch_up_after_plain_steps(pairs):
     from pipeline.cost.model import CostModel
     from pipeline.decode.policies.cascade import CascadePolicy
 
-    cost = CostModel(beta0={m: 10.0 for m in (1, 2, 3)}, alpha={m: 0.0 for m in (1, 2, 3)},
-                     c=0.0, draft_a=100.0, draft_b=0.0)  # fmt: skip
+    cost = CostModel(
+        beta0={m: 10.0 for m in (1, 2, 3)},
+        alpha={m: 0.0 for m in (1, 2, 3)},
+        c=0.0,
+        draft_a=100.0,
+        draft_b=0.0,
+    )
     policy = CascadePolicy(cost, max_k=2, test_steps=1, set_steps=2)
     declared = policy.step_work()
     session = SpeculativeEngine(pairs["exact"]).start(PROMPT, policy, SamplingConfig(), seed=1)

@@ -50,18 +50,21 @@ def _constant_acceptance(artifacts, bias: float) -> AcceptanceModel:
 
 
 def _run(pair, ids, policy, steps: int, temperature: float = 0.0):
-    limits = StepLimits(*[getattr(policy.step_work(), f) for f in
-                          ("draft_forwards", "draft_tokens", "verified")])  # fmt: skip
-    session = SpeculativeEngine(pair, limits).start(ids, policy, SamplingConfig(temperature),
-                                                    seed=0)  # fmt: skip
+    limits = StepLimits(
+        *[getattr(policy.step_work(), f) for f in ("draft_forwards", "draft_tokens", "verified")]
+    )
+    session = SpeculativeEngine(pair, limits).start(
+        ids, policy, SamplingConfig(temperature), seed=0
+    )
     for _ in range(steps):
         session.step()
     return session
 
 
 def test_hopeless_acceptance_switches_speculation_off_with_probes(pair, ids, artifacts):
-    policy = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, -8.0), max_k=4,
-                              probe_every=3)  # fmt: skip
+    policy = ThroughputPolicy(
+        artifacts.cost, _constant_acceptance(artifacts, -8.0), max_k=4, probe_every=3
+    )
     session = _run(pair, ids, policy, 12)
     drafted = [s.drafted for s in session.steps]
     assert drafted == [0, 0, 0, 1] * 3  # plain steps; every 4th a probe of one token
@@ -91,8 +94,7 @@ def test_the_rate_starts_at_the_stationary_optimum_and_follows_the_steps(pair, i
 
 @pytest.mark.parametrize("name", ["throughput", "specdec", "adaedl"])
 def test_greedy_text_equals_plain_greedy_on_the_embedded_models(name, pair, ids, artifacts):
-    gen = SpeculativeEngine(pair).generate(ids, make_policy(name, artifacts), 24,
-                                           stop_at_eos=False)  # fmt: skip
+    gen = SpeculativeEngine(pair).generate(ids, make_policy(name, artifacts), 24, stop_at_eos=False)
     assert gen.tokens == greedy_continuation(pair.target, ids, 24, eos_id=None)
     assert sum(s.accepted for s in gen.steps) > 0
 
@@ -124,12 +126,12 @@ def test_policies_without_an_acceptance_model_say_how_to_get_one(artifacts):
 def test_online_correction_moves_the_logit_towards_the_outcomes(pair, ids, artifacts):
     # The model says 4 in 5 whatever happens: the offset follows what did, stays within its
     # bound, and is off at adapt = 0.
-    off = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3,
-                           adapt=0.0)  # fmt: skip
+    off = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3, adapt=0.0)
     _run(pair, ids, off, 6)
     assert off._offset == 0.0
-    policy = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3,
-                              adapt=0.5)  # fmt: skip
+    policy = ThroughputPolicy(
+        artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3, adapt=0.5
+    )
     session = _run(pair, ids, policy, 6)
     judged = [(min(s.drafted, s.accepted + 1), s.accepted) for s in session.steps]
     hits = sum(a for _, a in judged)

@@ -43,16 +43,21 @@ def test_rules_parse_name_and_refuse_bad_specs():
     assert TreeRule.parse("ecospec-b3-d4") == TreeRule("ecospec", 3, 4)
     assert [TreeRule("eagle2").levels(k) for k in (0, 2, 5)] == [0, 2, 5]
     assert [TreeRule("eagle2", 2, 3).levels(k) for k in (0, 2, 5)] == [0, 2, 3]
-    for bad, why in [("beam", "selection must be one of"), ("eagle2:x=3", "unknown knob"),
-                     ("eagle2:b=0", "must be >= 1"), ("", "write SELECTION")]:  # fmt: skip
+    for bad, why in [
+        ("beam", "selection must be one of"),
+        ("eagle2:x=3", "unknown knob"),
+        ("eagle2:b=0", "must be >= 1"),
+        ("", "write SELECTION"),
+    ]:
         with pytest.raises(ValueError, match=why):
             TreeRule.parse(bad)
 
 
 def _model(k_max: int) -> CostModel:
     ms = range(1, k_max + 2)
-    return CostModel({m: 3.0 + 0.2 * m for m in ms}, {m: 0.3 + 0.01 * m for m in ms}, 0.01,
-                     0.9, 0.5)  # fmt: skip
+    return CostModel(
+        {m: 3.0 + 0.2 * m for m in ms}, {m: 0.3 + 0.01 * m for m in ms}, 0.01, 0.9, 0.5
+    )
 
 
 def _random_input(rng: np.random.Generator, n: int, rule: TreeRule) -> TreeInput:
@@ -129,10 +134,12 @@ def test_a_rule_that_builds_a_chain_gives_exactly_the_chain_bound(embedded):
     rule = TreeRule("eagle2", branch=1)
     for ref in refs:
         forced = teacher_forced(pair, ref)
-        chain = extract_sequence(pair, ref, lmax, "shared", 0, acceptances=("greedy",), draws=1,
-                                 forced=forced)  # fmt: skip
-        seq = inputs_from_tables(chain.sequences, chain.tokens, chain.tails, pair.spec, lmax,
-                                 ["greedy"])[0]  # fmt: skip
+        chain = extract_sequence(
+            pair, ref, lmax, "shared", 0, acceptances=("greedy",), draws=1, forced=forced
+        )
+        seq = inputs_from_tables(
+            chain.sequences, chain.tokens, chain.tails, pair.spec, lmax, ["greedy"]
+        )[0]
         table, _ = tree_rows(pair, ref, forced, [rule], lmax)
         assert table.column("on_path").to_pylist().count(True) > 20  # the draft does match
         tin = tree_input(ref.seq_id, ref.prompt_len, seq.routing, table, rule, lmax, pair.spec)
@@ -141,8 +148,9 @@ def test_a_rule_that_builds_a_chain_gives_exactly_the_chain_bound(embedded):
         assert np.array_equal(probs, t_probs)
         ok = probs.sum(axis=2) > 0
         a = probs.argmax(axis=2)
-        assert np.array_equal(np.take_along_axis(union, a[:, :, None], 2)[:, :, 0][ok],
-                              tin.union[ok])  # fmt: skip
+        assert np.array_equal(
+            np.take_along_axis(union, a[:, :, None], 2)[:, :, 0][ok], tin.union[ok]
+        )
         assert np.allclose(np.where(probs > 0, cost, 0), np.where(t_probs > 0, t_cost, 0))
         assert solve_tree(model, tin, [lmax])[0].dp[0] == pytest.approx(
             solve(probs, cost, union).dp[0], rel=1e-12
@@ -150,12 +158,14 @@ def test_a_rule_that_builds_a_chain_gives_exactly_the_chain_bound(embedded):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "knobs", "rule"), [
-    ("tree", {"depth": 3, "branch": 2, "gamma": 6}, TreeRule("eagle2", 2, 3)),
-    ("ecospec", {"depth": 3, "branch": 2, "gamma": 4}, TreeRule("ecospec", 2, 3)),
-])  # fmt: skip
-def test_extracted_trees_price_exactly_what_the_tree_policy_verifies(embedded, name, knobs,
-                                                                     rule):  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "knobs", "rule"),
+    [
+        ("tree", {"depth": 3, "branch": 2, "gamma": 6}, TreeRule("eagle2", 2, 3)),
+        ("ecospec", {"depth": 3, "branch": 2, "gamma": 4}, TreeRule("ecospec", 2, 3)),
+    ],
+)
+def test_extracted_trees_price_exactly_what_the_tree_policy_verifies(embedded, name, knobs, rule):
     """Step by step along the greedy text, the online policy's accepted length, verified
     positions, experts per layer and draft forwards equal the trees rows' at its gamma."""
     pair, artifacts, refs = embedded
@@ -192,11 +202,13 @@ def test_missing_trees_and_predictor_are_named(embedded):
         tree_rows(pair, refs[0], forced, [TreeRule("ecospec")], 3)
     table, _ = tree_rows(pair, refs[0], forced, [TreeRule("eagle2")], 3)
     with pytest.raises(ValueError, match="extract with --trees"):
-        tree_input("seq-0", refs[0].prompt_len, forced.routing, table, TreeRule("ecospec"), 3,
-                   pair.spec)  # fmt: skip
+        tree_input(
+            "seq-0", refs[0].prompt_len, forced.routing, table, TreeRule("ecospec"), 3, pair.spec
+        )
     with pytest.raises(ValueError, match="calibrate K up to"):
-        tin = tree_input("seq-0", refs[0].prompt_len, forced.routing, table, TreeRule("eagle2"),
-                         3, pair.spec)  # fmt: skip
+        tin = tree_input(
+            "seq-0", refs[0].prompt_len, forced.routing, table, TreeRule("eagle2"), 3, pair.spec
+        )
         tree_tables(_model(2), tin)
 
 

@@ -65,10 +65,13 @@ class Ceiling:
         return self.fixed[0] / self.clairvoyant
 
 
-def ceiling(texts: list[np.ndarray], step_for: Callable[[int], StepCost], max_k: int,
-            fixed_ks: list[int]) -> Ceiling:  # fmt: skip
+def ceiling(
+    texts: list[np.ndarray], step_for: Callable[[int], StepCost], max_k: int, fixed_ks: list[int]
+) -> Ceiling:
     """Summed over ``texts`` (their a_i); ``step_for(i)`` prices text i's steps."""
     clair = sum(expected_cost(a, step_for(i), max_k) for i, a in enumerate(texts))
-    fixed = {k: sum(expected_cost(a, step_for(i), max_k, k) for i, a in enumerate(texts))
-             for k in sorted({0, *fixed_ks})}  # fmt: skip
+    fixed = {
+        k: sum(expected_cost(a, step_for(i), max_k, k) for i, a in enumerate(texts))
+        for k in sorted({0, *fixed_ks})
+    }
     return Ceiling(clair, fixed)

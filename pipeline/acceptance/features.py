@@ -15,8 +15,17 @@ import math
 
 import torch
 
-FEATURE_NAMES = ("bias", "log_conf", "conf", "entropy", "margin",
-                 "match", "match2", "match4", "recent")  # fmt: skip
+FEATURE_NAMES = (
+    "bias",
+    "log_conf",
+    "conf",
+    "entropy",
+    "margin",
+    "match",
+    "match2",
+    "match4",
+    "recent",
+)
 MAX_MATCH = 8  # the longest n-gram the context match looks for
 
 

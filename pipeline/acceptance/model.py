@@ -46,20 +46,33 @@ class ModeModel:
         n = len(FEATURE_NAMES)
         for name in ("current", "next"):
             if len(getattr(self, name)) < n:
-                raise ValueError(f"{name}: expected {n} weights ({', '.join(FEATURE_NAMES)}) "
-                                 "and optionally one per dimension of the draft's hidden "
-                                 "state")  # fmt: skip
+                raise ValueError(
+                    f"{name}: expected {n} weights ({', '.join(FEATURE_NAMES)}) "
+                    "and optionally one per dimension of the draft's hidden "
+                    "state"
+                )
         # The hidden-state parts as tensors once: a prediction is then one dot product.
-        parts = {name: torch.tensor(w) if len(w) else None
-                 for name, w in (("current", self.current[n:]), ("next", self.next[n:]),
-                                 ("head", self.head[1:]))}  # fmt: skip
+        parts = {
+            name: torch.tensor(w) if len(w) else None
+            for name, w in (
+                ("current", self.current[n:]),
+                ("next", self.next[n:]),
+                ("head", self.head[1:]),
+            )
+        }
         if parts["current"] is not None and parts["next"] is not None:
             parts["both"] = torch.stack([parts["current"], parts["next"]], dim=1)  # [H, 2]
         object.__setattr__(self, "_hidden_weights", parts)
 
-    def chain_view(self, stats: list[float], recent: float, hidden: torch.Tensor | None,
-                   n: int, decay: float,
-                   offset: float = 0.0) -> tuple[float, list[float]]:  # fmt: skip
+    def chain_view(
+        self,
+        stats: list[float],
+        recent: float,
+        hidden: torch.Tensor | None,
+        n: int,
+        decay: float,
+        offset: float = 0.0,
+    ) -> tuple[float, list[float]]:
         """P(the token about to be drafted is accepted), then the `next` model for the n
         tokens after it along the path where each is accepted (what a later token's worth is
         conditional on): recent acceptance rising by an accepted outcome per token, the
@@ -85,8 +98,9 @@ class ModeModel:
             recent = decay * recent + (1 - decay)
         return logistic(z_cur), later
 
-    def _logit(self, name: str, stats: list[float], recent: float,
-               hidden: torch.Tensor | None) -> float:  # fmt: skip
+    def _logit(
+        self, name: str, stats: list[float], recent: float, hidden: torch.Tensor | None
+    ) -> float:
         weights = getattr(self, name)
         n = len(FEATURE_NAMES)
         z = sum(w * x for w, x in zip(weights[:n], feature_vector(stats, recent), strict=True))
@@ -101,8 +115,10 @@ class ModeModel:
         """The SpecDec++-style head's P(accept) from the draft's state alone."""
         part = self._hidden_weights["head"]  # type: ignore[attr-defined]
         if part is None:
-            raise ValueError("the acceptance model has no SpecDec++-style head; retrain it "
-                             "with python -m jobs.train_acceptance")  # fmt: skip
+            raise ValueError(
+                "the acceptance model has no SpecDec++-style head; retrain it "
+                "with python -m jobs.train_acceptance"
+            )
         return logistic(self.head[0] + float(hidden.float().cpu() @ part))
 
     def spread_around(self, recent: float) -> list[float]:
@@ -124,8 +140,10 @@ class AcceptanceModel:
     def mode(self, greedy: bool) -> ModeModel:
         key = "greedy" if greedy else "sampled"
         if key not in self.modes:
-            raise ValueError(f"the acceptance model has no {key} part; retrain it with "
-                             f"python -m jobs.train_acceptance")  # fmt: skip
+            raise ValueError(
+                f"the acceptance model has no {key} part; retrain it with "
+                f"python -m jobs.train_acceptance"
+            )
         return self.modes[key]
 
     def head_probability(self, greedy: bool, hidden: torch.Tensor) -> float:
@@ -159,10 +177,13 @@ class AcceptanceModel:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not JSON: {exc}") from exc
         if raw.get("feature_names") != list(FEATURE_NAMES):
-            raise ValueError(f"{path}: features {raw.get('feature_names')} differ from this "
-                             f"version's {list(FEATURE_NAMES)}; retrain")  # fmt: skip
+            raise ValueError(
+                f"{path}: features {raw.get('feature_names')} differ from this "
+                f"version's {list(FEATURE_NAMES)}; retrain"
+            )
         modes = {k: ModeModel(**v) for k, v in raw["modes"].items() if k in MODES}
         if not modes or not raw.get("union_by_m"):
             raise ValueError(f"{path}: no modes or no union_by_m; retrain")
-        return cls(modes, [float(u) for u in raw["union_by_m"]], float(raw["decay"]),
-                   raw.get("meta", {}))  # fmt: skip
+        return cls(
+            modes, [float(u) for u in raw["union_by_m"]], float(raw["decay"]), raw.get("meta", {})
+        )

@@ -70,13 +70,18 @@ def prompt_ids(pair: ModelPair, prompt: Prompt) -> list[int]:
 
 @torch.no_grad()
 def trace_prompt(
-    pair: ModelPair, prompt: Prompt, sampling: SamplingConfig, max_new_tokens: int, seed: int,
+    pair: ModelPair,
+    prompt: Prompt,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    seed: int,
     max_m: int,
-) -> tuple[AcceptanceTrace, UnionCounts]:  # fmt: skip
+) -> tuple[AcceptanceTrace, UnionCounts]:
     ids = prompt_ids(pair, prompt)
     engine = SpeculativeEngine(pair)
-    gen = engine.generate(ids, AutoregressivePolicy(), max_new_tokens, sampling, seed=seed,
-                          stop_at_eos=False)  # fmt: skip
+    gen = engine.generate(
+        ids, AutoregressivePolicy(), max_new_tokens, sampling, seed=seed, stop_at_eos=False
+    )
     full = torch.tensor([ids + gen.tokens], device=pair.device)
     start, n = len(ids) - 1, len(gen.tokens)  # logits at start + i predict gen.tokens[i]
     out, routing = forward_with_routing(pair.target, pair.spec, full)
@@ -101,17 +106,25 @@ def trace_prompt(
             u = unique_experts_per_layer(routing[i : i + m], pair.spec.num_experts)
             sums[m - 1] += float(u.float().mean())
             counts[m - 1] += 1
-    trace = AcceptanceTrace(prompt.prompt_id, sampling.temperature,
-                            stats,
-                            labels.cpu().numpy().astype(np.float64),
-                            hidden.float().cpu().numpy())  # fmt: skip
+    trace = AcceptanceTrace(
+        prompt.prompt_id,
+        sampling.temperature,
+        stats,
+        labels.cpu().numpy().astype(np.float64),
+        hidden.float().cpu().numpy(),
+    )
     return trace, UnionCounts(sums, counts)
 
 
 def collect_traces(
-    pair: ModelPair, prompts: list[Prompt], temperatures: list[float], max_new_tokens: int,
-    max_m: int, seed: int = 0, log: Callable[[str], None] = print,
-) -> tuple[list[AcceptanceTrace], UnionCounts]:  # fmt: skip
+    pair: ModelPair,
+    prompts: list[Prompt],
+    temperatures: list[float],
+    max_new_tokens: int,
+    max_m: int,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[list[AcceptanceTrace], UnionCounts]:
     """Traces of every prompt at every temperature (sampled continuations seeded per prompt),
     and the expert-union counts of the greedy ones (or of all when none is greedy)."""
     traces: list[AcceptanceTrace] = []
@@ -120,8 +133,9 @@ def collect_traces(
     for t_index, temperature in enumerate(temperatures):
         sampling = SamplingConfig(temperature=temperature)
         for p_index, prompt in enumerate(prompts):
-            trace, counts = trace_prompt(pair, prompt, sampling, max_new_tokens,
-                                         seed + 1000 * t_index + p_index, max_m)  # fmt: skip
+            trace, counts = trace_prompt(
+                pair, prompt, sampling, max_new_tokens, seed + 1000 * t_index + p_index, max_m
+            )
             traces.append(trace)
             if sampling.greedy or use_all:
                 unions.add(counts)
@@ -130,36 +144,41 @@ def collect_traces(
     return traces, unions
 
 
-def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts,
-                meta: dict) -> None:  # fmt: skip
+def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts, meta: dict) -> None:
     """One .npz (concatenated arrays and offsets, and ``meta``: the pair and the settings the
     traces came from), so a refit need not decode again."""
     lengths = np.array([len(t.labels) for t in traces])
     np.savez_compressed(
-        path, prompt_ids=np.array([t.prompt_id for t in traces]),
-        temperatures=np.array([t.temperature for t in traces]), lengths=lengths,
+        path,
+        prompt_ids=np.array([t.prompt_id for t in traces]),
+        temperatures=np.array([t.temperature for t in traces]),
+        lengths=lengths,
         stats=np.concatenate([t.stats for t in traces]),
         labels=np.concatenate([t.labels for t in traces]),
         hidden=np.concatenate([t.hidden for t in traces]),
-        union_sums=unions.sums, union_counts=unions.counts, meta=np.array(json.dumps(meta)),
-    )  # fmt: skip
+        union_sums=unions.sums,
+        union_counts=unions.counts,
+        meta=np.array(json.dumps(meta)),
+    )
 
 
 def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
     data = np.load(path)
     width = len(FEATURE_NAMES) - 2
     if data["stats"].shape[1] != width:
-        raise ValueError(f"{path}: traces with {data['stats'].shape[1]} features per position, "
-                         f"this version reads {width}; remove the file to trace again")  # fmt: skip
+        raise ValueError(
+            f"{path}: traces with {data['stats'].shape[1]} features per position, "
+            f"this version reads {width}; remove the file to trace again"
+        )
     ends = np.cumsum(data["lengths"])
     starts = ends - data["lengths"]
     traces = [
         AcceptanceTrace(
             str(pid), float(temp), data["stats"][a:b], data["labels"][a:b], data["hidden"][a:b]
-        )  # fmt: skip
+        )
         for pid, temp, a, b in zip(
             data["prompt_ids"], data["temperatures"], starts, ends, strict=True
-        )  # fmt: skip
+        )
     ]
     meta = json.loads(str(data["meta"])) if "meta" in data else {}
     return traces, UnionCounts(data["union_sums"], data["union_counts"]), meta

@@ -26,8 +26,9 @@ from pipeline.models.loading import ModelPair
 CONF = FEATURE_NAMES.index("conf") - 1  # its column in a trace's stats
 
 
-def design(traces: list[AcceptanceTrace], decay: float, prior: float, shift: int,
-           hidden: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def design(
+    traces: list[AcceptanceTrace], decay: float, prior: float, shift: int, hidden: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows [bias, stats_i, recent_i] (then the draft's hidden state at i with ``hidden``),
     labels of position i + shift (0: current, 1: next) and row weights. recent_i is the moving
     average of labels before i, from ``prior``: the outcomes the policy has seen when it
@@ -54,8 +55,13 @@ def head_design(traces: list[AcceptanceTrace]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(xs), np.concatenate([t.labels for t in traces])
 
 
-def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-3, iters: int = 50,
-                 weights: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+def fit_logistic(
+    x: np.ndarray,
+    y: np.ndarray,
+    l2: float = 1e-3,
+    iters: int = 50,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
     """Newton's method on the (soft-label, row-weighted) cross-entropy with a small ridge off
     the bias."""
     sw = np.ones(len(y)) if weights is None else weights
@@ -92,8 +98,13 @@ class Scores:
         return {k: v for k, v in self.__dict__.items()}
 
 
-def score(w: np.ndarray, x: np.ndarray, y: np.ndarray, train_mean: float,
-          weights: np.ndarray | None = None) -> Scores:  # fmt: skip
+def score(
+    w: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    train_mean: float,
+    weights: np.ndarray | None = None,
+) -> Scores:
     """Held-out scores; rows with weight 0 (a `next` row after a rejection) are left out and
     soft weights are treated as inclusion (the greedy mode's are 0 or 1)."""
     if weights is not None:
@@ -101,25 +112,40 @@ def score(w: np.ndarray, x: np.ndarray, y: np.ndarray, train_mean: float,
         x, y = x[keep], y[keep]
     p = 1 / (1 + np.exp(-(x @ w)))
     order = np.argsort(p)
-    calibration = [(float(p[idx].mean()), float(y[idx].mean()), len(idx))
-                   for idx in np.array_split(order, 10) if len(idx)]  # fmt: skip
-    return Scores(len(y), float(y.mean()), log_loss(p, y), float(np.mean((p - y) ** 2)),
-                  log_loss(np.full_like(y, train_mean), y), log_loss(x[:, 1 + CONF], y),
-                  calibration)  # fmt: skip
+    calibration = [
+        (float(p[idx].mean()), float(y[idx].mean()), len(idx))
+        for idx in np.array_split(order, 10)
+        if len(idx)
+    ]
+    return Scores(
+        len(y),
+        float(y.mean()),
+        log_loss(p, y),
+        float(np.mean((p - y) ** 2)),
+        log_loss(np.full_like(y, train_mean), y),
+        log_loss(x[:, 1 + CONF], y),
+        calibration,
+    )
 
 
 def fit_acceptance(
-    traces: list[AcceptanceTrace], union_by_m: list[float], decay: float = 0.8,
-    heldout_every: int = 5, meta: dict | None = None, hidden: bool = True,
-) -> tuple[AcceptanceModel, dict]:  # fmt: skip
+    traces: list[AcceptanceTrace],
+    union_by_m: list[float],
+    decay: float = 0.8,
+    heldout_every: int = 5,
+    meta: dict | None = None,
+    hidden: bool = True,
+) -> tuple[AcceptanceModel, dict]:
     """The model on all traces, and a report of the same fit's scores on every
     ``heldout_every``-th prompt held out (fitted on the others). With ``hidden`` the models
     also read the draft's hidden state (ridge-regularised, like the head)."""
     l2 = 1e-2 if hidden else 1e-3
     modes: dict[str, ModeModel] = {}
     report: dict = {}
-    for mode, pick in (("greedy", lambda t: t.temperature <= 0),
-                       ("sampled", lambda t: t.temperature > 0)):  # fmt: skip
+    for mode, pick in (
+        ("greedy", lambda t: t.temperature <= 0),
+        ("sampled", lambda t: t.temperature > 0),
+    ):
         chosen = [t for t in traces if pick(t)]
         if not chosen:
             continue
@@ -144,53 +170,73 @@ def fit_acceptance(
             train_x, train_y = head_design(train)
             x_te, y_te = head_design(test)
             held = score(fit_logistic(train_x, train_y, l2=1e-2), x_te, y_te, float(train_y.mean()))
-            mode_report["head"] = {k: v for k, v in held.row().items()
-                                   if k != "log_loss_confidence"}  # fmt: skip
+            mode_report["head"] = {
+                k: v for k, v in held.row().items() if k != "log_loss_confidence"
+            }
         x_all, _, _ = design(chosen, decay, prior, 0, hidden)
         # Without the recent term, which is added back at decision time.
         w_cur = np.array(weights["current"])
         w_cur[RECENT] = 0.0
         logits = x_all @ w_cur
         spread = [float(v) for v in np.quantile(logits, np.arange(0.05, 1.0, 0.1))]
-        modes[mode] = ModeModel(weights["current"], weights["next"], prior,
-                                [float(v) for v in head], spread)  # fmt: skip
+        modes[mode] = ModeModel(
+            weights["current"], weights["next"], prior, [float(v) for v in head], spread
+        )
         report[mode] = mode_report
     if not modes:
         raise ValueError("no traces to fit the acceptance model on")
     if not union_by_m or any(not np.isfinite(u) for u in union_by_m):
-        raise ValueError(f"expert unions by m incomplete ({union_by_m}): trace more tokens "
-                         "per prompt than the largest m")  # fmt: skip
+        raise ValueError(
+            f"expert unions by m incomplete ({union_by_m}): trace more tokens "
+            "per prompt than the largest m"
+        )
     return AcceptanceModel(modes, union_by_m, decay, dict(meta or {}, fit=report)), report
 
 
 def train_acceptance(
-    pair: ModelPair, prompts: list[Prompt], temperatures: list[float], max_new_tokens: int,
-    max_m: int, out: Path, decay: float = 0.8, seed: int = 0,
-    log: Callable[[str], None] = print, traces_path: Path | None = None,
-) -> tuple[AcceptanceModel, dict]:  # fmt: skip
+    pair: ModelPair,
+    prompts: list[Prompt],
+    temperatures: list[float],
+    max_new_tokens: int,
+    max_m: int,
+    out: Path,
+    decay: float = 0.8,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    traces_path: Path | None = None,
+) -> tuple[AcceptanceModel, dict]:
     """Trace ``prompts`` at every temperature, fit, save to ``out`` (acceptance.json); the
     model and its held-out report. ``traces_path``: the traces are saved there, or read from
     there when it exists (a refit without decoding again)."""
     t0 = time.perf_counter()
-    pair_meta = {k: v for k, v in pair_provenance(pair).items()
-                 if k in ("target_model", "target_fingerprint", "draft_model",
-                          "draft_fingerprint")}  # fmt: skip
-    meta = {"pair": pair_meta, "prompts": [p.prompt_id for p in prompts],
-            "temperatures": temperatures, "max_new_tokens": max_new_tokens}  # fmt: skip
+    pair_meta = {
+        k: v
+        for k, v in pair_provenance(pair).items()
+        if k in ("target_model", "target_fingerprint", "draft_model", "draft_fingerprint")
+    }
+    meta = {
+        "pair": pair_meta,
+        "prompts": [p.prompt_id for p in prompts],
+        "temperatures": temperatures,
+        "max_new_tokens": max_new_tokens,
+    }
     if traces_path is not None and Path(traces_path).exists():
         traces, unions, meta = load_traces(Path(traces_path))
         for key in ("target_fingerprint", "draft_fingerprint"):
             if meta.get("pair", {}).get(key) != pair_meta.get(key):
-                raise ValueError(f"{traces_path} holds traces of another pair ({key} "
-                                 f"{meta.get('pair', {}).get(key)}, here {pair_meta.get(key)}):"
-                                 " remove it or pass another --traces path")  # fmt: skip
+                raise ValueError(
+                    f"{traces_path} holds traces of another pair ({key} "
+                    f"{meta.get('pair', {}).get(key)}, here {pair_meta.get(key)}):"
+                    " remove it or pass another --traces path"
+                )
         log(
             f"  {len(traces)} traces read from {traces_path} (its settings: temperatures "
             f"{meta.get('temperatures')}, {meta.get('max_new_tokens')} tokens)"
         )
     else:
-        traces, unions = collect_traces(pair, prompts, temperatures, max_new_tokens, max_m,
-                                        seed, log)  # fmt: skip
+        traces, unions = collect_traces(
+            pair, prompts, temperatures, max_new_tokens, max_m, seed, log
+        )
         if traces_path is not None:
             save_traces(Path(traces_path), traces, unions, meta)
     meta = {

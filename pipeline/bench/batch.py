@@ -41,34 +41,51 @@ def label(name: str, knobs: dict) -> str:
 
 
 def bench_batch(
-    pair: ModelPair, prompts: list[list[int]], specs: list[tuple[str, dict]],
-    batch_sizes: list[int], max_new_tokens: int, temperature: float, repeats: int,
-    artifacts: PolicyArtifacts | None, progress=print,
-) -> list[BatchCell]:  # fmt: skip
+    pair: ModelPair,
+    prompts: list[list[int]],
+    specs: list[tuple[str, dict]],
+    batch_sizes: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    repeats: int,
+    artifacts: PolicyArtifacts | None,
+    progress=print,
+) -> list[BatchCell]:
     engine = BatchedEngine(pair)
     sampling = SamplingConfig(temperature)
-    engine.generate_many(prompts[:2], lambda: make_policy("fixed", k=2), 8, sampling,
-                         max_batch=2)  # warm-up  # fmt: skip
+    engine.generate_many(
+        prompts[:2], lambda: make_policy("fixed", k=2), 8, sampling, max_batch=2
+    )  # warm-up
     cells = [BatchCell(b, label(n, k), n, k) for b in batch_sizes for n, k in specs]
     for rep in range(repeats):
         for cell in cells if rep % 2 == 0 else cells[::-1]:
             engine.batcher.economy = None  # a batch's plan starts afresh
             t0 = time.perf_counter()
             out = engine.generate_many(
-                prompts, lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
-                max_new_tokens, sampling, max_batch=cell.batch, stop_at_eos=False,
-            )  # fmt: skip
+                prompts,
+                lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
+                max_new_tokens,
+                sampling,
+                max_batch=cell.batch,
+                stop_at_eos=False,
+            )
             cell.tok_s.append(sum(len(g.tokens) for g in out) / (time.perf_counter() - t0))
             cell.steps.append(sum(len(g.steps) for g in out))
-            progress(f"  repeat {rep + 1}/{repeats}  batch {cell.batch:>2}  {cell.label:<24} "
-                     f"{cell.tok_s[-1]:7.1f} tok/s")  # fmt: skip
+            progress(
+                f"  repeat {rep + 1}/{repeats}  batch {cell.batch:>2}  {cell.label:<24} "
+                f"{cell.tok_s[-1]:7.1f} tok/s"
+            )
     return cells
 
 
 def format_batch_bench(cells: list[BatchCell], header: str) -> str:
-    lines = ["", header, "",
-             f"{'batch':>5}  {'policy':<24}{'tok/s (mean)':>13}{'spread':>9}  per repeat"
-             f"{'':>14}{'vs best fixed K':>16}"]  # fmt: skip
+    lines = [
+        "",
+        header,
+        "",
+        f"{'batch':>5}  {'policy':<24}{'tok/s (mean)':>13}{'spread':>9}  per repeat"
+        f"{'':>14}{'vs best fixed K':>16}",
+    ]
     for b in sorted({c.batch for c in cells}):
         row = [c for c in cells if c.batch == b]
         fixed = [c for c in row if c.name == "fixed"]
@@ -80,8 +97,9 @@ def format_batch_bench(cells: list[BatchCell], header: str) -> str:
                 per = [x / y for x, y in zip(c.tok_s, best.tok_s, strict=True)]
                 ratio = f"{c.mean / best.mean:.3f}x ({min(per):.2f}-{max(per):.2f})"
             reps = " ".join(f"{x:6.1f}" for x in c.tok_s)
-            lines.append(f"{b:>5}  {c.label:<24}{c.mean:>13.1f}{spread:>8.1%}  {reps:<24}"
-                         f"{ratio:>16}")  # fmt: skip
+            lines.append(
+                f"{b:>5}  {c.label:<24}{c.mean:>13.1f}{spread:>8.1%}  {reps:<24}{ratio:>16}"
+            )
         if best is not None:
             lines.append(f"{'':>7}best fixed K at batch {b}: {best.label}")
     return "\n".join(lines)

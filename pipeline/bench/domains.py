@@ -23,27 +23,49 @@ def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
     for domain, result in results.items():
         for r in result.rows:
             ar = result.row("ar", r.temperature)
-            rows.append({
-                "domain": domain, "temperature": r.temperature, "policy": r.label,
-                "tokens": r.tokens, "seconds": r.seconds, "ar_tokens": ar.tokens,
-                "ar_seconds": ar.seconds, "policy_ms": r.policy_ms, "ar_ms": r.ar_ms,
-                "bound_ms": _bound_ms(r), "steps": sum(len(s) for s in r.steps),
-                "accepted": r.mean_accepted * sum(len(s) for s in r.steps),
-                "draft_ms": sum(x.t_draft_ms for run in r.steps for x in run),
-                "draft_forwards": sum(x.draft_forwards for run in r.steps for x in run),
-                "greedy_equal": (_same_text(r.outputs, ar.outputs)
-                                 if r.temperature == 0 and r.outputs else None),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "domain": domain,
+                    "temperature": r.temperature,
+                    "policy": r.label,
+                    "tokens": r.tokens,
+                    "seconds": r.seconds,
+                    "ar_tokens": ar.tokens,
+                    "ar_seconds": ar.seconds,
+                    "policy_ms": r.policy_ms,
+                    "ar_ms": r.ar_ms,
+                    "bound_ms": _bound_ms(r),
+                    "steps": sum(len(s) for s in r.steps),
+                    "accepted": r.mean_accepted * sum(len(s) for s in r.steps),
+                    "draft_ms": sum(x.t_draft_ms for run in r.steps for x in run),
+                    "draft_forwards": sum(x.draft_forwards for run in r.steps for x in run),
+                    "greedy_equal": (
+                        _same_text(r.outputs, ar.outputs)
+                        if r.temperature == 0 and r.outputs
+                        else None
+                    ),
+                }
+            )
     df = pd.DataFrame(rows)
     if df.empty:
         return df
     if len(results) > 1:  # pooled: total tokens over total time, per policy and temperature
-        sums = ["tokens", "seconds", "ar_tokens", "ar_seconds", "policy_ms", "ar_ms", "bound_ms",
-                "steps", "accepted", "draft_ms", "draft_forwards"]  # fmt: skip
+        sums = [
+            "tokens",
+            "seconds",
+            "ar_tokens",
+            "ar_seconds",
+            "policy_ms",
+            "ar_ms",
+            "bound_ms",
+            "steps",
+            "accepted",
+            "draft_ms",
+            "draft_forwards",
+        ]
         pooled = df.groupby(["temperature", "policy"], as_index=False, sort=False).agg(
-            {**{c: lambda x: x.sum(min_count=len(x)) for c in sums},
-             "greedy_equal": _all_or_none},
-        )  # fmt: skip
+            {**{c: lambda x: x.sum(min_count=len(x)) for c in sums}, "greedy_equal": _all_or_none},
+        )
         df = pd.concat([df, pooled.assign(domain=ALL)], ignore_index=True)
     df["mean_accepted"] = df["accepted"] / df["steps"]  # per step, pooled over the steps
     # Drafting's cost per draft forward (the policy's own work included), measured.
@@ -94,22 +116,31 @@ def _all_or_none(values: pd.Series):
 def format_domain_summary(df: pd.DataFrame) -> str:
     """Per domain and temperature: each policy's speedup, its ratio over that domain's best
     fixed K in this run, its modelled share of the bound and the greedy-text check."""
-    lines = ["per domain (speedup: measured over `ar`; x best fixed: over the best fixed K of "
-             "that domain and temperature in this run; of bound: modelled / modelled; "
-             "= greedy: the T=0 text equals `ar`'s)"]  # fmt: skip
+    lines = [
+        "per domain (speedup: measured over `ar`; x best fixed: over the best fixed K of "
+        "that domain and temperature in this run; of bound: modelled / modelled; "
+        "= greedy: the T=0 text equals `ar`'s)"
+    ]
     for (domain, temp), group in df.groupby(["domain", "temperature"], sort=False):
         best = group["best_fixed"].iloc[0]
         lines.append(f"\n{domain}, T={temp:g} (best fixed: {best})")
-        lines.append(f"  {'policy':40s} {'tok/s':>7} {'speedup':>8} {'x best fixed':>13} "
-                     f"{'of bound':>9} {'accepted':>9} {'= greedy':>9} "
-                     f"{'ms/draft fwd':>13}")  # fmt: skip
+        lines.append(
+            f"  {'policy':40s} {'tok/s':>7} {'speedup':>8} {'x best fixed':>13} "
+            f"{'of bound':>9} {'accepted':>9} {'= greedy':>9} "
+            f"{'ms/draft fwd':>13}"
+        )
         for r in group.itertuples():
             of_bound = "-" if pd.isna(r.of_bound) else f"{100 * r.of_bound:.0f}%"
-            equal = "-" if r.greedy_equal is None or pd.isna(r.greedy_equal) else (
-                "yes" if r.greedy_equal else "NO")  # fmt: skip
-            lines.append(f"  {r.policy:40s} {r.tok_s:7.1f} {r.speedup:7.2f}x "
-                         f"{r.over_best_fixed:12.2f}x {of_bound:>9} {r.mean_accepted:9.2f} "
-                         f"{equal:>9} {_ms(r.draft_ms_per_forward):>13}")  # fmt: skip
+            equal = (
+                "-"
+                if r.greedy_equal is None or pd.isna(r.greedy_equal)
+                else ("yes" if r.greedy_equal else "NO")
+            )
+            lines.append(
+                f"  {r.policy:40s} {r.tok_s:7.1f} {r.speedup:7.2f}x "
+                f"{r.over_best_fixed:12.2f}x {of_bound:>9} {r.mean_accepted:9.2f} "
+                f"{equal:>9} {_ms(r.draft_ms_per_forward):>13}"
+            )
     return "\n".join(lines)
 
 

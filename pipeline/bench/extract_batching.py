@@ -69,17 +69,32 @@ class BatchingComparison:
 
 
 def run_path(
-    pair: ModelPair, prompts: list[Prompt], max_new_tokens: int, lmax: int, seed: int,
-    batch_size: int, acceptances: tuple[str, ...], draws: int,
-) -> tuple[PathResult, list[ReferenceSequence], list[SequenceTables]]:  # fmt: skip
+    pair: ModelPair,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    lmax: int,
+    seed: int,
+    batch_size: int,
+    acceptances: tuple[str, ...],
+    draws: int,
+) -> tuple[PathResult, list[ReferenceSequence], list[SequenceTables]]:
     """Generation, then the whole extraction (shared tails), ``batch_size`` at a time."""
     started = time.perf_counter()
-    refs = build_references(prompts, pair.target, pair.tokenizer, max_new_tokens,
-                            batch_size=batch_size)  # fmt: skip
+    refs = build_references(
+        prompts, pair.target, pair.tokenizer, max_new_tokens, batch_size=batch_size
+    )
     generation = time.perf_counter() - started
     started = time.perf_counter()
-    tables = extract_sequences(pair, refs, lmax, "shared", seed, acceptances=acceptances,
-                               draws=draws, batch_size=batch_size)  # fmt: skip
+    tables = extract_sequences(
+        pair,
+        refs,
+        lmax,
+        "shared",
+        seed,
+        acceptances=acceptances,
+        draws=draws,
+        batch_size=batch_size,
+    )
     extraction = time.perf_counter() - started
     started = time.perf_counter()
     for start in range(0, len(refs), batch_size):
@@ -127,9 +142,15 @@ def check_rows(
 
 
 def compare_batching(
-    pair: ModelPair, prompts: list[Prompt], max_new_tokens: int, lmax: int, seed: int,
-    batch_size: int, acceptances: tuple[str, ...] = ACCEPTANCES, draws: int = 2,
-) -> tuple[BatchingComparison, list[ReferenceSequence]]:  # fmt: skip
+    pair: ModelPair,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    lmax: int,
+    seed: int,
+    batch_size: int,
+    acceptances: tuple[str, ...] = ACCEPTANCES,
+    draws: int = 2,
+) -> tuple[BatchingComparison, list[ReferenceSequence]]:
     """One-at-a-time, then batched, on the same prompts; returns the batched references too."""
     args = (pair, prompts, max_new_tokens, lmax, seed)
     lone, refs_a, tables_a = run_path(*args, 1, acceptances, draws)

@@ -93,21 +93,32 @@ def _label(name: str, knobs: dict) -> str:
     return name + ("(" + ",".join(f"{k}={v}" for k, v in knobs.items()) + ")" if knobs else "")
 
 
-def bench_policy(pair: ModelPair, prompts: list[list[int]], name: str | Callable, knobs: dict,
-                 temperature: float, max_new_tokens: int,
-                 artifacts: PolicyArtifacts | None = None,
-                 label: str | None = None) -> BenchRow:  # fmt: skip
+def bench_policy(
+    pair: ModelPair,
+    prompts: list[list[int]],
+    name: str | Callable,
+    knobs: dict,
+    temperature: float,
+    max_new_tokens: int,
+    artifacts: PolicyArtifacts | None = None,
+    label: str | None = None,
+) -> BenchRow:
     """``name`` is a policy name, or a callable giving the policy for prompt j. Timed: the
     decoding steps (a session's start, the prompt's prefill, is not)."""
-    return bench_policies(pair, prompts, [(name, knobs, label)], temperature, max_new_tokens,
-                          artifacts)[0]  # fmt: skip
+    return bench_policies(
+        pair, prompts, [(name, knobs, label)], temperature, max_new_tokens, artifacts
+    )[0]
 
 
-def bench_policies(pair: ModelPair, prompts: list[list[int]],
-                   specs: list[tuple[str | Callable, dict, str | None]], temperature: float,
-                   max_new_tokens: int, artifacts: PolicyArtifacts | None = None,
-                   progress: Callable[[str], None] = lambda line: None,
-                   ) -> list[BenchRow]:  # fmt: skip
+def bench_policies(
+    pair: ModelPair,
+    prompts: list[list[int]],
+    specs: list[tuple[str | Callable, dict, str | None]],
+    temperature: float,
+    max_new_tokens: int,
+    artifacts: PolicyArtifacts | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[BenchRow]:
     """bench_policy for each (name, knobs, label) in ``specs``, interleaved: every policy
     decodes prompt j before any decodes prompt j + 1, in an order that rotates with j. A
     machine whose speed drifts during the run (a shared CPU drifts by tens of percent within
@@ -130,13 +141,21 @@ def bench_policies(pair: ModelPair, prompts: list[list[int]],
             seconds[i] += time.perf_counter() - started
             outputs[i].append(list(session.generated))  # a last step may overshoot: paid for
             steps[i].append(list(session.steps))
-    return [_row(name, knobs, label, temperature, seconds[i], outputs[i], steps[i])
-            for i, (name, knobs, label) in enumerate(specs)]  # fmt: skip
+    return [
+        _row(name, knobs, label, temperature, seconds[i], outputs[i], steps[i])
+        for i, (name, knobs, label) in enumerate(specs)
+    ]
 
 
-def _row(name: str | Callable, knobs: dict, label: str | None, temperature: float,
-         seconds: float, outputs: list[list[int]],
-         steps: list[list[StepRecord]]) -> BenchRow:  # fmt: skip
+def _row(
+    name: str | Callable,
+    knobs: dict,
+    label: str | None,
+    temperature: float,
+    seconds: float,
+    outputs: list[list[int]],
+    steps: list[list[StepRecord]],
+) -> BenchRow:
     flat = [s for run in steps for s in run]
     return BenchRow(
         label=label or _label(name, knobs),
@@ -153,8 +172,9 @@ def _row(name: str | Callable, knobs: dict, label: str | None, temperature: floa
 
 
 @torch.no_grad()
-def bench_assisted(pair: ModelPair, prompts: list[list[int]], temperature: float,
-                   max_new_tokens: int) -> BenchRow:  # fmt: skip
+def bench_assisted(
+    pair: ModelPair, prompts: list[list[int]], temperature: float, max_new_tokens: int
+) -> BenchRow:
     """transformers' generate(assistant_model=draft), same prompts and token budget. Its time
     includes both prefills, measured apart (a target and a draft forward over the prompt) and
     subtracted, so it is comparable with the engine's step times."""
@@ -171,18 +191,31 @@ def bench_assisted(pair: ModelPair, prompts: list[list[int]], temperature: float
         prefill = time.perf_counter() - started
         started = time.perf_counter()
         out = pair.target.generate(
-            x, assistant_model=pair.draft, max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens, pad_token_id=pair.tokenizer.eos_token_id, **kwargs,
-        )  # fmt: skip
+            x,
+            assistant_model=pair.draft,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=pair.tokenizer.eos_token_id,
+            **kwargs,
+        )
         seconds += max(1e-9, time.perf_counter() - started - prefill)
         tokens += out.shape[1] - len(ids)
         outputs.append(out[0, len(ids) :].tolist())
-    return BenchRow("transformers assisted", temperature, tokens, seconds, float("nan"),
-                    float("nan"), float("nan"), outputs=outputs)  # fmt: skip
+    return BenchRow(
+        "transformers assisted",
+        temperature,
+        tokens,
+        seconds,
+        float("nan"),
+        float("nan"),
+        float("nan"),
+        outputs=outputs,
+    )
 
 
-def replay_lines(pair: ModelPair, prompts: list[list[int]], cost: CostModel,
-                 by_prompt: dict[int, SequenceBound]) -> list[str]:  # fmt: skip
+def replay_lines(
+    pair: ModelPair, prompts: list[list[int]], cost: CostModel, by_prompt: dict[int, SequenceBound]
+) -> list[str]:
     """The first two prompts decoded with the oracle's k*, against its accepted a, its U and
     its modelled cost."""
     lines = []
@@ -198,15 +231,20 @@ def replay_lines(pair: ModelPair, prompts: list[list[int]], cost: CostModel,
     return lines
 
 
-def _price(row: BenchRow, pair: ModelPair, prompts: list[list[int]],
-           artifacts: PolicyArtifacts) -> None:  # fmt: skip
+def _price(
+    row: BenchRow, pair: ModelPair, prompts: list[list[int]], artifacts: PolicyArtifacts
+) -> None:
     """The row's own steps and text priced with the cost model."""
     try:
-        runs = [modelled_generation(pair, p, out, st, artifacts.cost)
-                for p, out, st in zip(prompts, row.outputs, row.steps, strict=True)]  # fmt: skip
+        runs = [
+            modelled_generation(pair, p, out, st, artifacts.cost)
+            for p, out, st in zip(prompts, row.outputs, row.steps, strict=True)
+        ]
     except KeyError as exc:  # a step verified more positions than the model was calibrated for
-        raise ValueError(f"{row.label}: {exc.args[0]}; bound the policy's knobs to the cost "
-                         "model's m or calibrate larger K") from None  # fmt: skip
+        raise ValueError(
+            f"{row.label}: {exc.args[0]}; bound the policy's knobs to the cost "
+            "model's m or calibrate larger K"
+        ) from None
     row.policy_ms = sum(r.policy_ms for r in runs)
     row.ar_ms = sum(r.ar_ms for r in runs)
 
@@ -250,8 +288,15 @@ def run_online_bench(
         key = (temp, tuple(map(tuple, row.outputs)))
         if key not in bounds:
             acceptance = "greedy" if temp == 0 else "sampling"
-            bounds[key] = sequence_bounds(pair, prompts, row.outputs, artifacts.cost, lmax,
-                                          acceptance, temperature=temp or 1.0)  # fmt: skip
+            bounds[key] = sequence_bounds(
+                pair,
+                prompts,
+                row.outputs,
+                artifacts.cost,
+                lmax,
+                acceptance,
+                temperature=temp or 1.0,
+            )
         return bounds[key]
 
     for temp in temperatures:
@@ -259,8 +304,7 @@ def run_online_bench(
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
         progress(f"T={temp:g}: {len(policies)} policies, interleaved prompt by prompt")
         specs = [(name, knobs, None) for name, knobs in policies]
-        for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts,
-                                  progress):  # fmt: skip
+        for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts, progress):
             _price(row, pair, prompts, artifacts)
             if bounded and not row.tree:
                 progress(f"T={temp:g} {row.label}: the oracle on its text")
@@ -278,11 +322,20 @@ def run_online_bench(
                 return ReplayPolicy(by_prompt[j].solution.k_star, len(prompts[j]))
 
             progress("T=0 oracle-replay (k*)")
-            row = bench_policy(pair, prompts, replay_policy, {}, temp, max_new_tokens,
-                               label="oracle-replay (k*)")  # fmt: skip
+            row = bench_policy(
+                pair, prompts, replay_policy, {}, temp, max_new_tokens, label="oracle-replay (k*)"
+            )
             _price(row, pair, prompts, artifacts)
             row.bound = greedy
             rows.append(row)
             lines += replay_lines(pair, prompts, artifacts.cost, by_prompt)
-    return OnlineBenchResult(rows, lines, len(prompts), max_new_tokens, str(pair.device),
-                             artifacts.lam, lmax, artifacts.cost)  # fmt: skip
+    return OnlineBenchResult(
+        rows,
+        lines,
+        len(prompts),
+        max_new_tokens,
+        str(pair.device),
+        artifacts.lam,
+        lmax,
+        artifacts.cost,
+    )

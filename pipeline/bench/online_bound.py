@@ -94,8 +94,9 @@ def sequence_bounds(
     sampling) priced with its own junk tails; ``draws`` independent tail draws (default: 1 for
     greedy, whose tails are deterministic, else 2 for the cross-fitted value)."""
     if acceptance not in ACCEPTANCE_MODES:
-        raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE_MODES)}, "
-                         f"got {acceptance!r}")  # fmt: skip
+        raise ValueError(
+            f"acceptance must be one of {', '.join(ACCEPTANCE_MODES)}, got {acceptance!r}"
+        )
     draws = draws or (1 if acceptance == "greedy" else 2)
     cost.require_m(range(1, lmax + 2), f"the bound at Lmax {lmax}")
     tables = []
@@ -103,11 +104,22 @@ def sequence_bounds(
         if not out:
             continue
         ref = ReferenceSequence(f"gen-{j}", "generated", "generated", tuple(prompt), tuple(out))
-        tables.append(extract_sequence(pair, ref, lmax, "shared", seed, acceptances=(acceptance,),
-                                       draws=draws, temperature=temperature))  # fmt: skip
+        tables.append(
+            extract_sequence(
+                pair,
+                ref,
+                lmax,
+                "shared",
+                seed,
+                acceptances=(acceptance,),
+                draws=draws,
+                temperature=temperature,
+            )
+        )
     cat = lambda name: pa.concat_tables([getattr(t, name) for t in tables])  # noqa: E731
-    inputs = inputs_from_tables(cat("sequences"), cat("tokens"), cat("tails"), pair.spec, lmax,
-                                [acceptance])  # fmt: skip
+    inputs = inputs_from_tables(
+        cat("sequences"), cat("tokens"), cat("tails"), pair.spec, lmax, [acceptance]
+    )
     bounds = []
     for seq in inputs:
         probs = acceptance_table(seq.acceptance(acceptance), lmax, plain_step)
@@ -149,8 +161,9 @@ def step_cost(cost: CostModel, rec: StepRecord, ctx_len: int) -> float:
     return cost.t_draft(rec.draft_forwards) + cost.t_target(rec.verified, rec.u_bar, ctx_len)
 
 
-def replay(pair: ModelPair, bound: SequenceBound, prompt: list[int], cost: CostModel,
-           repeats: int = 1) -> ReplayReport:  # fmt: skip
+def replay(
+    pair: ModelPair, bound: SequenceBound, prompt: list[int], cost: CostModel, repeats: int = 1
+) -> ReplayReport:
     """Decode greedily with the oracle's k* (0: a plain step) along ``bound``'s greedy
     sequence; ``cost`` is the model the bound was priced with."""
     if bound.acceptance != "greedy":
@@ -197,8 +210,9 @@ class ModelledRun:
         return self.ar_ms / self.policy_ms
 
 
-def price_steps(steps: list[StepRecord], cost: CostModel,
-                prompt_len: int) -> tuple[list[float], list[int]]:  # fmt: skip
+def price_steps(
+    steps: list[StepRecord], cost: CostModel, prompt_len: int
+) -> tuple[list[float], list[int]]:
     """Each step's modelled cost and the state i it started from."""
     out, states, i = [], [], 0
     for rec in steps:
@@ -216,8 +230,9 @@ def text_ar_cost(pair: ModelPair, prompt: list[int], tokens: list[int], cost: Co
     return ar_cost(cost, experts, len(prompt))
 
 
-def modelled_generation(pair: ModelPair, prompt: list[int], tokens: list[int],
-                        steps: list[StepRecord], cost: CostModel) -> ModelledRun:  # fmt: skip
+def modelled_generation(
+    pair: ModelPair, prompt: list[int], tokens: list[int], steps: list[StepRecord], cost: CostModel
+) -> ModelledRun:
     """Price an online generation (its tokens and step records) with ``cost``, and the AR cost
     of the same text; the modelled/modelled fraction of the bound is
     ``run.speedup / bound.speedup`` with the bound on the same text and cost model."""

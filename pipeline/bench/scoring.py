@@ -51,8 +51,9 @@ class OnlineBenchResult:
     cost: CostModel
 
     def row(self, label: str, temperature: float) -> BenchRow | None:
-        return next((r for r in self.rows if r.label == label and r.temperature == temperature),
-                    None)  # fmt: skip
+        return next(
+            (r for r in self.rows if r.label == label and r.temperature == temperature), None
+        )
 
     def speedup(self, row: BenchRow) -> float:
         """Measured: tokens/s over `ar`'s at the same temperature (prefill left out of both)."""
@@ -74,10 +75,14 @@ class OnlineBenchResult:
         out: dict[str, float] = {}
         for r in self.rows:
             key = _metric_key(r.label, r.temperature)
-            values = {"tok_s": r.tokens_per_s, "speedup": self.speedup(r),
-                      "of_replay": self.of_replay(r), "modelled_speedup": r.modelled_speedup,
-                      "bound": r.bound.speedup if r.bound else None,
-                      "of_bound": self.of_bound(r)}  # fmt: skip
+            values = {
+                "tok_s": r.tokens_per_s,
+                "speedup": self.speedup(r),
+                "of_replay": self.of_replay(r),
+                "modelled_speedup": r.modelled_speedup,
+                "bound": r.bound.speedup if r.bound else None,
+                "of_bound": self.of_bound(r),
+            }
             out.update({f"{key}_{k}": v for k, v in values.items() if v is not None})
         return out
 
@@ -97,9 +102,11 @@ def format_online_bench(result: OnlineBenchResult) -> str:
         f"lambda {result.lam:.3f} ms/token; bounds at Lmax {result.lmax} with k = 0"
     )
     lines = ["", head, ""]
-    lines.append(f"{'policy':<40}{'T':>3}{'tok/s':>8}{'speedup':>9}{'of replay':>10}"
-                 f"{'modelled':>10}{'bound':>8}{'of bound':>9}{'accepted':>9}{'U/verify':>9}"
-                 f"{'T_verify':>9}")  # fmt: skip
+    lines.append(
+        f"{'policy':<40}{'T':>3}{'tok/s':>8}{'speedup':>9}{'of replay':>10}"
+        f"{'modelled':>10}{'bound':>8}{'of bound':>9}{'accepted':>9}{'U/verify':>9}"
+        f"{'T_verify':>9}"
+    )
     for r in result.rows:
         bound = r.bound.speedup if r.bound else None
         tree = r.tree and "tree"
@@ -121,6 +128,7 @@ def format_online_bench(result: OnlineBenchResult) -> str:
     lines += [f"oracle replay, {line}" for line in result.replay_lines]
     mape = cost_mape_pct(result.cost)
     if mape is not None:
-        lines.append(f"cost model error: out-of-sample MAPE {mape:.1f}% over the calibration's "
-                     "rounds")  # fmt: skip
+        lines.append(
+            f"cost model error: out-of-sample MAPE {mape:.1f}% over the calibration's rounds"
+        )
     return "\n".join(lines)

@@ -100,11 +100,16 @@ class TreeBench:
 
 
 def run_tree_bench(
-    pair: ModelPair, artifacts: PolicyArtifacts, prompts: list[list[int]], max_new_tokens: int,
+    pair: ModelPair,
+    artifacts: PolicyArtifacts,
+    prompts: list[list[int]],
+    max_new_tokens: int,
     policies: list[tuple[str, dict]] = DEFAULT_TREE_POLICIES,
-    rules: tuple[str, ...] = DEFAULT_RULES, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
-    repeats: int = 3, progress: Callable[[str], None] = print,
-) -> TreeBench:  # fmt: skip
+    rules: tuple[str, ...] = DEFAULT_RULES,
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+    repeats: int = 3,
+    progress: Callable[[str], None] = print,
+) -> TreeBench:
     k_max = max(budgets)
     cost = artifacts.cost.require_m(range(1, k_max + 2), f"the tree bench at budget {k_max}")
     own = [policy_rule(n, k) for n, k in policies]
@@ -127,32 +132,39 @@ def run_tree_bench(
     for j, (prompt, out) in enumerate(zip(prompts, first[0].outputs, strict=True)):
         ref = ReferenceSequence(f"gen-{j}", "generated", "generated", tuple(prompt), tuple(out))
         forced = teacher_forced(pair, ref)
-        chain = extract_sequence(pair, ref, k_max, "shared", 0, acceptances=("greedy",),
-                                 draws=1, forced=forced)  # fmt: skip
+        chain = extract_sequence(
+            pair, ref, k_max, "shared", 0, acceptances=("greedy",), draws=1, forced=forced
+        )
         started = time.perf_counter()
         table, stats = tree_rows(pair, ref, forced, all_rules, k_max, artifacts.predictor)
         tree_s += time.perf_counter() - started
         nodes += stats.nodes
-        for rule, count in Counter(table.filter(pc.invert(table.column("on_path")))
-                                   .column("rule").to_pylist()).items():  # fmt: skip
+        for rule, count in Counter(
+            table.filter(pc.invert(table.column("on_path"))).column("rule").to_pylist()
+        ).items():
             off_path[rule] = off_path.get(rule, 0) + count
         target_fw += stats.target_token_forwards
         draft_fw += stats.draft_token_forwards
-        seq = inputs_from_tables(chain.sequences, chain.tokens, chain.tails, pair.spec, k_max,
-                                 ["greedy"])[0]  # fmt: skip
+        seq = inputs_from_tables(
+            chain.sequences, chain.tokens, chain.tails, pair.spec, k_max, ["greedy"]
+        )[0]
         for rule in all_rules:
-            tins[(j, rule.name)] = tree_input(ref.seq_id, ref.prompt_len, seq.routing, table,
-                                              rule, k_max, pair.spec)  # fmt: skip
-        seq_rows += sequence_rows(seq, [tins[(j, r.name)] for r in study], cost,
-                                  list(budgets), k_max)  # fmt: skip
+            tins[(j, rule.name)] = tree_input(
+                ref.seq_id, ref.prompt_len, seq.routing, table, rule, k_max, pair.spec
+            )
+        seq_rows += sequence_rows(
+            seq, [tins[(j, r.name)] for r in study], cost, list(budgets), k_max
+        )
         refs.append(seq)
     ar_ms = sum(r["ar_ms"] for r in seq_rows if r["budget"] == k_max and r["bound"] == "chain")
     scores = []
     for p, ((name, knobs), rule) in enumerate(zip(policies, own, strict=True), start=1):
         gamma = with_defaults(name, knobs)["gamma"]
         row = first[p]
-        priced = [modelled_generation(pair, pr, o, st, cost)
-                  for pr, o, st in zip(prompts, row.outputs, row.steps, strict=True)]  # fmt: skip
+        priced = [
+            modelled_generation(pair, pr, o, st, cost)
+            for pr, o, st in zip(prompts, row.outputs, row.steps, strict=True)
+        ]
         own_k = min(gamma - 1, k_max)
         bound = bound_own = fixed = 0.0
         for j in range(len(prompts)):
@@ -161,39 +173,55 @@ def run_tree_bench(
             whole, at_own = solve_tree(cost, tin, [k_max, own_k], tables)
             bound, bound_own = bound + whole.dp[0], bound_own + at_own.dp[0]
             fixed += fixed_budgets_ms(*tables, [own_k])[0]
-        scores.append(PolicyScore(
-            label=row.label, rule=rule.name, gamma=gamma,
-            measured=[float(seconds[r, 0] / seconds[r, p]) for r in range(repeats)],
-            modelled=sum(x.ar_ms for x in priced) / sum(x.policy_ms for x in priced),
-            offline_fixed=ar_ms / fixed, bound=ar_ms / bound, bound_own=ar_ms / bound_own,
-        ))  # fmt: skip
+        scores.append(
+            PolicyScore(
+                label=row.label,
+                rule=rule.name,
+                gamma=gamma,
+                measured=[float(seconds[r, 0] / seconds[r, p]) for r in range(repeats)],
+                modelled=sum(x.ar_ms for x in priced) / sum(x.policy_ms for x in priced),
+                offline_fixed=ar_ms / fixed,
+                bound=ar_ms / bound,
+                bound_own=ar_ms / bound_own,
+            )
+        )
     n_tokens = sum(len(s.token_ids) - 1 for s in refs)
-    return TreeBench(pool(seq_rows), scores, n_tokens, nodes, target_fw, draft_fw, tree_s,
-                     off_path)  # fmt: skip
+    return TreeBench(pool(seq_rows), scores, n_tokens, nodes, target_fw, draft_fw, tree_s, off_path)
 
 
 def format_tree_bench(bench: TreeBench, header: str) -> str:
     """The per-budget bounds, then each tree policy against its rule's bound."""
-    lines = ["", header, "", format_tree_study(bench.budgets), "",
-             "tree policies against their rule's bound (S over `ar`; measured: mean of the "
-             "repeats, range in brackets)",
-             f"{'policy':<32}{'rule':<16}{'measured':>18}{'modelled':>10}{'offline':>9}"
-             f"{'bound':>8}{'bound@own':>10}{'of bound (mod.)':>16}{'(meas.)':>9}"]  # fmt: skip
+    lines = [
+        "",
+        header,
+        "",
+        format_tree_study(bench.budgets),
+        "",
+        "tree policies against their rule's bound (S over `ar`; measured: mean of the "
+        "repeats, range in brackets)",
+        f"{'policy':<32}{'rule':<16}{'measured':>18}{'modelled':>10}{'offline':>9}"
+        f"{'bound':>8}{'bound@own':>10}{'of bound (mod.)':>16}{'(meas.)':>9}",
+    ]
     for s in bench.policies:
         meas = f"{np.mean(s.measured):.3f} [{min(s.measured):.2f}-{max(s.measured):.2f}]"
-        lines.append(f"{s.label:<32}{s.rule:<16}{meas:>18}{s.modelled:>10.3f}"
-                     f"{s.offline_fixed:>9.3f}{s.bound:>8.3f}{s.bound_own:>10.3f}"
-                     f"{s.of_bound_modelled:>16.1%}{s.of_bound_measured:>9.1%}")  # fmt: skip
-    lines += ["", "offline: the rule at the policy's gamma priced from the trees rows (equals "
-              "modelled when the extraction prices what decoding does); bound@own: budgets up "
-              "to the policy's gamma only",
-              f"tree extraction: {bench.tree_nodes:,} node rows over {bench.reference_tokens:,} "
-              f"reference tokens; {bench.target_forwards_per_token:.2f} target token-forwards "
-              f"and {bench.tree_draft_forwards / bench.reference_tokens:.2f} draft "
-              f"token-forwards per reference token; {bench.tree_seconds:.1f}s "
-              f"({bench.reference_tokens / max(bench.tree_seconds, 1e-9):.0f} reference "
-              "tokens/s)",
-              "  off-path nodes per reference token, each rule alone (what its own extraction "
-              "routes): " + ", ".join(f"{r} {c / bench.reference_tokens:.2f}"
-                                      for r, c in bench.off_path.items())]  # fmt: skip
+        lines.append(
+            f"{s.label:<32}{s.rule:<16}{meas:>18}{s.modelled:>10.3f}"
+            f"{s.offline_fixed:>9.3f}{s.bound:>8.3f}{s.bound_own:>10.3f}"
+            f"{s.of_bound_modelled:>16.1%}{s.of_bound_measured:>9.1%}"
+        )
+    lines += [
+        "",
+        "offline: the rule at the policy's gamma priced from the trees rows (equals "
+        "modelled when the extraction prices what decoding does); bound@own: budgets up "
+        "to the policy's gamma only",
+        f"tree extraction: {bench.tree_nodes:,} node rows over {bench.reference_tokens:,} "
+        f"reference tokens; {bench.target_forwards_per_token:.2f} target token-forwards "
+        f"and {bench.tree_draft_forwards / bench.reference_tokens:.2f} draft "
+        f"token-forwards per reference token; {bench.tree_seconds:.1f}s "
+        f"({bench.reference_tokens / max(bench.tree_seconds, 1e-9):.0f} reference "
+        "tokens/s)",
+        "  off-path nodes per reference token, each rule alone (what its own extraction "
+        "routes): "
+        + ", ".join(f"{r} {c / bench.reference_tokens:.2f}" for r, c in bench.off_path.items()),
+    ]
     return "\n".join(lines)

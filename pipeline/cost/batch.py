@@ -94,8 +94,10 @@ class BatchCost:
         target = [s[-1] for s in steps]
         rounds = [r for s in steps for r in s[:-1] if not r.begins]
         if len(target) < 8 or len(rounds) < 8:
-            raise ValueError(f"too few decoding steps to fit a batch cost model: {len(target)} "
-                             f"passes and {len(rounds)} chain rounds (need 8 of each)")  # fmt: skip
+            raise ValueError(
+                f"too few decoding steps to fit a batch cost model: {len(target)} "
+                f"passes and {len(rounds)} chain rounds (need 8 of each)"
+            )
         x = np.array([[1.0, r.positions, float(np.mean(r.union)), r.attended] for r in target])
         y = np.array([r.t_ms for r in target])
         bt, r2t = _ols(x, y)
@@ -107,11 +109,23 @@ class BatchCost:
         xs = np.array([[1.0, s[-1].rows] for s in steps])
         ys = np.array([sum(_gap(r) for r in s if r.side == "target" or r.begins) for s in steps])
         bs, r2s = _ols(xs, ys)
-        decay = _fit_union_decay([(r.positions, float(np.mean(r.union))) for r in target],
-                                 experts, top_k)  # fmt: skip
-        return cls(*(float(v) for v in bt), float(bd[0]), float(bd[1]), float(bs[0]),
-                   float(bs[1]), experts, top_k, decay, r2t, r2d, r2s,
-                   len(records))  # fmt: skip
+        decay = _fit_union_decay(
+            [(r.positions, float(np.mean(r.union))) for r in target], experts, top_k
+        )
+        return cls(
+            *(float(v) for v in bt),
+            float(bd[0]),
+            float(bd[1]),
+            float(bs[0]),
+            float(bs[1]),
+            experts,
+            top_k,
+            decay,
+            r2t,
+            r2d,
+            r2s,
+            len(records),
+        )
 
 
 MAX_GAP_MS = 50.0  # a longer gap is the batch idling (no generation), not work

@@ -34,10 +34,21 @@ from pipeline.data.shards import write_table_atomic
 from pipeline.data.sql import run_query
 from pipeline.models.loading import ModelPair
 
-ARTIFACTS = ("costmodel.json", "rounds.parquet", "per_k.csv", "fit_per_m.csv",
-             "factor_importance.csv", "pooled_and_draft.json")  # fmt: skip
-DESIGNED_ARTIFACTS = ("designed_rounds.parquet", "cells.csv", "design_comparison.csv",
-                      "design_summary.json", "costmodel_observational.json")  # fmt: skip
+ARTIFACTS = (
+    "costmodel.json",
+    "rounds.parquet",
+    "per_k.csv",
+    "fit_per_m.csv",
+    "factor_importance.csv",
+    "pooled_and_draft.json",
+)
+DESIGNED_ARTIFACTS = (
+    "designed_rounds.parquet",
+    "cells.csv",
+    "design_comparison.csv",
+    "design_summary.json",
+    "costmodel_observational.json",
+)
 DESIGNS = ("forced", "forced-contexts", "observational")
 PLOTS = ("target_vs_experts.png", "draft_vs_k.png")
 
@@ -99,8 +110,16 @@ def run_calibration(
     insitu = None
     if design == "forced":
         insitu = InSituDesign(pair.spec, ms, max_levels, repeats, designed_per_round)
-    rounds = collect_rounds(pair, prompts, ks, max_new_tokens, warmup_tokens, repeats=repeats,
-                            look_ks=look_ks, observer=insitu)  # fmt: skip
+    rounds = collect_rounds(
+        pair,
+        prompts,
+        ks,
+        max_new_tokens,
+        warmup_tokens,
+        repeats=repeats,
+        look_ks=look_ks,
+        observer=insitu,
+    )
     out.mkdir(parents=True, exist_ok=True)
     rounds_path = out / "rounds.parquet"
     write_table_atomic(rounds, rounds_path)
@@ -129,8 +148,9 @@ def run_calibration(
                 low, high = int(df["ctx_len"].min()), int(df["ctx_len"].max())
                 designed_contexts = sorted({int(x) for x in np.linspace(low, high, 3).round()})
             contexts = prompt_contexts(pair.tokenizer, prompts, designed_contexts)
-            designed = collect_designed_rounds(pair.target, pair.spec, contexts, ms,
-                                               designed_repeats, max_levels)  # fmt: skip
+            designed = collect_designed_rounds(
+                pair.target, pair.spec, contexts, ms, designed_repeats, max_levels
+            )
             designed_meta["designed_contexts"] = list(designed_contexts)
             designed_meta["designed_repeats"] = designed_repeats
             designed_meta["designed_statistic"] = "cell median"
@@ -156,8 +176,12 @@ def run_calibration(
             "observational_on_own_rounds": observational.model.meta["fit"]["on_own_rounds"],
         }
         (out / "design_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        result_extra = {"observational": observational, "comparison": comparison,
-                        "cells": cells, "summary": summary}  # fmt: skip
+        result_extra = {
+            "observational": observational,
+            "comparison": comparison,
+            "cells": cells,
+            "summary": summary,
+        }
     fit.model.save(out / "costmodel.json")
     per_k = run_query("calibration_per_k", rounds=rounds_path)
     per_k.to_csv(out / "per_k.csv", index=False)
@@ -177,8 +201,9 @@ def compare_designs(
     """Per m, both designs' alpha(m) and beta0(m) with standard errors and fit quality, and
     the designed model's error on the observational rounds (how it will be used)."""
     cols = ["m", "n", "beta0", "beta0_se", "alpha", "alpha_se", "r2", "oos_r2", "oos_mape"]
-    both = designed.per_m[cols].merge(observational.per_m[cols], on="m", how="outer",
-                                      suffixes=("_forced", "_observational"))  # fmt: skip
+    both = designed.per_m[cols].merge(
+        observational.per_m[cols], on="m", how="outer", suffixes=("_forced", "_observational")
+    )
     held = error_on(designed.model, rounds)
     held = (
         held[held["m"] != "all"]

@@ -16,10 +16,13 @@ def cell_medians(rounds: pd.DataFrame) -> pd.DataFrame:
     statistic the fit reads; a timer burst in one repeat moves it little)."""
     keys = ["gen_id", "category", "k", "m", "u_bar", "ctx_len", "kv_tokens", "kv_occupancy"]
     out = rounds.groupby(keys, as_index=False).agg(
-        t_target_ms=("t_target_ms", "median"), t_draft_ms=("t_draft_ms", "median"),
-        draft_forwards=("draft_forwards", "first"), accepted=("accepted", "first"),
-        round=("round", "min"), repeats=("t_target_ms", "size"),
-    )  # fmt: skip
+        t_target_ms=("t_target_ms", "median"),
+        t_draft_ms=("t_draft_ms", "median"),
+        draft_forwards=("draft_forwards", "first"),
+        accepted=("accepted", "first"),
+        round=("round", "min"),
+        repeats=("t_target_ms", "size"),
+    )
     return out
 
 
@@ -36,8 +39,9 @@ def cell_dispersion(rounds: pd.DataFrame) -> pd.DataFrame:
 
 def priced(model: CostModel, rounds: pd.DataFrame) -> np.ndarray:
     """The model's T_T for every round (its m, U and context)."""
-    return np.array([model.t_target(int(r.m), float(r.u_bar), float(r.ctx_len))
-                     for r in rounds.itertuples()])  # fmt: skip
+    return np.array(
+        [model.t_target(int(r.m), float(r.u_bar), float(r.ctx_len)) for r in rounds.itertuples()]
+    )
 
 
 def error_on(model: CostModel, rounds: pd.DataFrame) -> pd.DataFrame:
@@ -83,6 +87,8 @@ def beta0_monotone(per_m: pd.DataFrame, z: float = 1.96) -> list[str]:
     problems = []
     for a, b in zip(rows.itertuples(), rows.iloc[1:].itertuples(), strict=False):
         if b.beta0 + z * b.beta0_se < a.beta0 - z * a.beta0_se:
-            problems.append(f"beta0({b.m}) = {b.beta0:.3f} +- {z * b.beta0_se:.3f} below "
-                            f"beta0({a.m}) = {a.beta0:.3f} +- {z * a.beta0_se:.3f}")  # fmt: skip
+            problems.append(
+                f"beta0({b.m}) = {b.beta0:.3f} +- {z * b.beta0_se:.3f} below "
+                f"beta0({a.m}) = {a.beta0:.3f} +- {z * a.beta0_se:.3f}"
+            )
     return problems

@@ -54,14 +54,22 @@ class InSituDesign:
     the design differs, so the model it fits prices decoding's rounds and not a bench
     protocol's. The draft never runs for them; the draft line comes from the rounds."""
 
-    def __init__(self, spec: MoESpec, ms: Iterable[int], max_levels: int = 8, repeats: int = 1,
-                 per_round: int = 1, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: MoESpec,
+        ms: Iterable[int],
+        max_levels: int = 8,
+        repeats: int = 1,
+        per_round: int = 1,
+        seed: int = 0,
+    ) -> None:
         ms = sorted(set(ms))
         if not ms or ms[0] < 1 or repeats < 1 or per_round < 1:
             raise ValueError("in-situ design needs m >= 1, repeats >= 1 and per_round >= 1")
         self.spec, self.repeats, self.per_round = spec, repeats, per_round
-        self.cells = [(m, u) for m in ms for u in union_levels(m, spec.top_k, spec.num_experts,
-                                                               max_levels)]  # fmt: skip
+        self.cells = [
+            (m, u) for m in ms for u in union_levels(m, spec.top_k, spec.num_experts, max_levels)
+        ]
         self._gen = torch.Generator().manual_seed(seed)
         self._order = np.random.default_rng(seed)
         self._next: list[tuple[int, int]] = []
@@ -72,17 +80,28 @@ class InSituDesign:
             self._next = [self.cells[i] for i in self._order.permutation(len(self.cells))]
         return self._next.pop()
 
-    def _passes(self, session: DecodeSession,
-                cells: list[tuple[int, int]]) -> list[tuple[int, int, float]]:  # fmt: skip
+    def _passes(
+        self, session: DecodeSession, cells: list[tuple[int, int]]
+    ) -> list[tuple[int, int, float]]:
         model = session.pair.target
         vocab = int(model.config.vocab_size)
         base = len(session.committed) - 1
         out = []
         with torch.no_grad(), ForcedRouting(model, self.spec) as forced:
             for m, u in cells:
-                t_ms = designed_pass(model, self.spec, forced, session.target_cache, base,
-                                     session.committed[-1], m, u, self._gen, vocab,
-                                     self.repeats)  # fmt: skip
+                t_ms = designed_pass(
+                    model,
+                    self.spec,
+                    forced,
+                    session.target_cache,
+                    base,
+                    session.committed[-1],
+                    m,
+                    u,
+                    self._gen,
+                    vocab,
+                    self.repeats,
+                )
                 out.append((m, u, t_ms))
         return out
 
@@ -94,29 +113,51 @@ class InSituDesign:
         max_pos = getattr(session.pair.target.config, "max_position_embeddings", 0) or 0
         ctx_len = len(session.committed)
         for m, u, t_ms in self._passes(session, [self._cell() for _ in range(self.per_round)]):
-            self.rows.append(designed_row(f"{gen_id}|m{m}", category, m, u, ctx_len, t_ms,
-                                          max_pos, len(self.rows)))  # fmt: skip
+            self.rows.append(
+                designed_row(
+                    f"{gen_id}|m{m}", category, m, u, ctx_len, t_ms, max_pos, len(self.rows)
+                )
+            )
 
     def table(self) -> pa.Table:
         return pa.Table.from_pylist(self.rows, schema=ROUNDS_SCHEMA)
 
 
-def designed_row(gen_id: str, category: str, m: int, u: int, ctx_len: int, t_ms: float,
-                 max_pos: int, index: int) -> dict:  # fmt: skip
+def designed_row(
+    gen_id: str, category: str, m: int, u: int, ctx_len: int, t_ms: float, max_pos: int, index: int
+) -> dict:
     """A `rounds` row for one designed pass: no draft ran (draft_forwards 0)."""
     base = ctx_len - 1
     return {
-        "gen_id": gen_id, "category": category, "k": m - 1, "m": m, "t_target_ms": t_ms,
-        "t_draft_ms": 0.0, "draft_forwards": 0, "u_bar": float(u), "ctx_len": ctx_len,
-        "kv_tokens": base, "kv_occupancy": base / max_pos if max_pos else 0.0, "accepted": 0,
+        "gen_id": gen_id,
+        "category": category,
+        "k": m - 1,
+        "m": m,
+        "t_target_ms": t_ms,
+        "t_draft_ms": 0.0,
+        "draft_forwards": 0,
+        "u_bar": float(u),
+        "ctx_len": ctx_len,
+        "kv_tokens": base,
+        "kv_occupancy": base / max_pos if max_pos else 0.0,
+        "accepted": 0,
         "round": index,
-    }  # fmt: skip
+    }
 
 
-def designed_pass(model: nn.Module, spec: MoESpec, forced: ForcedRouting, cache: DynamicCache,
-                  base: int,
-                  last: int, m: int, u: int, gen: torch.Generator, vocab: int,
-                  repeats: int = 1) -> float:  # fmt: skip
+def designed_pass(
+    model: nn.Module,
+    spec: MoESpec,
+    forced: ForcedRouting,
+    cache: DynamicCache,
+    base: int,
+    last: int,
+    m: int,
+    u: int,
+    gen: torch.Generator,
+    vocab: int,
+    repeats: int = 1,
+) -> float:
     """One verification pass (the last committed token and m - 1 random ones) with the
     routing forced to a union of u experts per layer, run exactly as the engine verifies
     (pipeline.models.routing.verification_forward, routing capture included); its time in ms
@@ -128,8 +169,7 @@ def designed_pass(model: nn.Module, spec: MoESpec, forced: ForcedRouting, cache:
     batch = torch.tensor([tokens], device=device)
     times = []
     for _ in range(repeats):
-        (_, routing), t_ms = timed(device, lambda: verification_forward(model, spec, batch,
-                                                                        cache))  # fmt: skip
+        (_, routing), t_ms = timed(device, lambda: verification_forward(model, spec, batch, cache))
         crop_to(cache, base)
         times.append(t_ms)
     got = {len(torch.unique(routing[:, layer])) for layer in range(routing.shape[1])}

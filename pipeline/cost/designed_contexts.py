@@ -78,10 +78,14 @@ def random_contexts(
         raise ValueError("random contexts need lengths >= 2 tokens and per_length >= 1")
     gen = torch.Generator().manual_seed(seed)
     return [
-        DesignedContext(f"random{j}|L{length}", "random",
-                        torch.randint(vocab_size, (length,), generator=gen).tolist())
-        for length in lengths for j in range(per_length)
-    ]  # fmt: skip
+        DesignedContext(
+            f"random{j}|L{length}",
+            "random",
+            torch.randint(vocab_size, (length,), generator=gen).tolist(),
+        )
+        for length in lengths
+        for j in range(per_length)
+    ]
 
 
 def collect_designed_rounds(
@@ -105,8 +109,7 @@ def collect_designed_rounds(
         raise ValueError("designed calibration needs contexts, m >= 1 and repeats >= 1")
     if min(len(c.ids) for c in contexts) < 2:
         raise ValueError("designed contexts need >= 2 tokens")
-    cells = [(m, u) for m in ms for u in union_levels(m, spec.top_k, spec.num_experts,
-                                                      max_levels)]  # fmt: skip
+    cells = [(m, u) for m in ms for u in union_levels(m, spec.top_k, spec.num_experts, max_levels)]
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     order = np.random.default_rng(seed)
@@ -118,28 +121,42 @@ def collect_designed_rounds(
         # (context, m, U) cells: a drift in the machine's speed during the run then spreads
         # over every cell instead of lining up with the context length or the prompt.
         caches = [_prefill(model, c.ids[:-1], device) for c in contexts]
-        log(f"[calibrate:designed] {len(contexts)} contexts x {len(cells)} (m, U) cells x "
-            f"{repeats} repeats = {len(contexts) * len(cells) * repeats:,} passes")  # fmt: skip
+        log(
+            f"[calibrate:designed] {len(contexts)} contexts x {len(cells)} (m, U) cells x "
+            f"{repeats} repeats = {len(contexts) * len(cells) * repeats:,} passes"
+        )
 
         def run(s_: int, m: int, u: int) -> float:
             ids = contexts[s_].ids
-            return designed_pass(model, spec, forced, caches[s_], len(ids) - 1, ids[-1], m, u,
-                                 gen, vocab)  # fmt: skip
+            return designed_pass(
+                model, spec, forced, caches[s_], len(ids) - 1, ids[-1], m, u, gen, vocab
+            )
 
         for m, u in cells:  # warm-up: allocator, kernels, every shape once; discarded
             run(0, m, u)
-        plan = [(s_, cell) for s_ in range(len(contexts)) for cell in cells
-                for _ in range(repeats)]  # fmt: skip
+        plan = [(s_, cell) for s_ in range(len(contexts)) for cell in cells for _ in range(repeats)]
         started, report_every = time.perf_counter(), max(1, len(plan) // 10)
         for done, j in enumerate(order.permutation(len(plan)), 1):
             s_, (m, u) = plan[j]
             ctx = contexts[s_]
-            rows.append(designed_row(f"{ctx.name}|m{m}", ctx.category, m, u, len(ctx.ids),
-                                     run(s_, m, u), max_pos, len(rows)))  # fmt: skip
+            rows.append(
+                designed_row(
+                    f"{ctx.name}|m{m}",
+                    ctx.category,
+                    m,
+                    u,
+                    len(ctx.ids),
+                    run(s_, m, u),
+                    max_pos,
+                    len(rows),
+                )
+            )
             if done % report_every == 0 or done == len(plan):
                 elapsed = time.perf_counter() - started
-                log(f"[calibrate:designed] {done:,}/{len(plan):,} passes, "
-                    f"ETA {elapsed / done * (len(plan) - done):.0f}s")  # fmt: skip
+                log(
+                    f"[calibrate:designed] {done:,}/{len(plan):,} passes, "
+                    f"ETA {elapsed / done * (len(plan) - done):.0f}s"
+                )
     return pa.Table.from_pylist(rows, schema=ROUNDS_SCHEMA)
 
 

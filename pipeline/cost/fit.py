@@ -155,8 +155,10 @@ def fit_cost_model(
     if older:
         notes.append("rounds without draft_forwards: fixed chains assumed (k forwards)")
     if dropped:
-        notes.append(f"{dropped} of {len(rounds)} rounds dropped as timing interference "
-                     "(> 8 robust SD above the median of their m or draft forwards)")  # fmt: skip
+        notes.append(
+            f"{dropped} of {len(rounds)} rounds dropped as timing interference "
+            "(> 8 robust SD above the median of their m or draft forwards)"
+        )
     observed = df
     if draft_rounds is not None:
         observed = draft_rounds.reset_index(drop=True)

@@ -18,12 +18,20 @@ log = logging.getLogger(__name__)
 # What check_measured_on compares (pipeline.cost.provenance builds these dicts). The paths
 # target_model / draft_model are shown beside their fingerprints, never compared: they differ
 # between clones of one checkpoint.
-PROVENANCE_FIELDS = ("device", "device_name", "dtype", "experts_implementation",
-                     "target_fingerprint", "draft_fingerprint")  # fmt: skip
+PROVENANCE_FIELDS = (
+    "device",
+    "device_name",
+    "dtype",
+    "experts_implementation",
+    "target_fingerprint",
+    "draft_fingerprint",
+)
 _PATH_OF = {"target_fingerprint": "target_model", "draft_fingerprint": "draft_model"}
-ALLOW_HINT = ("recalibrate on this setup (python -m jobs.calibrate) and use its costmodel.json, "
-              "or go on anyway: --allow-costmodel-mismatch in the jobs, allow_mismatch=True in "
-              "the library")  # fmt: skip
+ALLOW_HINT = (
+    "recalibrate on this setup (python -m jobs.calibrate) and use its costmodel.json, "
+    "or go on anyway: --allow-costmodel-mismatch in the jobs, allow_mismatch=True in "
+    "the library"
+)
 
 
 class CostModelMismatchError(ValueError):
@@ -76,17 +84,20 @@ class CostModel:
     def missing_m_message(self, ms: Iterable[int]) -> str:
         missing = self.missing_m(ms)
         known = ", ".join(map(str, sorted(self.beta0)))
-        return (f"the cost model has no coefficients for m = {', '.join(map(str, missing))} "
-                f"(calibrated: {known}); calibrate K up to {max(missing) - 1} with "
-                f"python -m jobs.calibrate --ks 0-{max(missing) - 1}")  # fmt: skip
+        return (
+            f"the cost model has no coefficients for m = {', '.join(map(str, missing))} "
+            f"(calibrated: {known}); calibrate K up to {max(missing) - 1} with "
+            f"python -m jobs.calibrate --ks 0-{max(missing) - 1}"
+        )
 
     def require_m(self, ms: Iterable[int], purpose: str) -> CostModel:
         """Every m in ``ms`` must be calibrated (checked where the model is loaded, so that no
         decode or solve meets a missing m halfway); ``purpose`` says who needs them."""
         ms = list(ms)
         if self.missing_m(ms):
-            raise ValueError(f"{purpose} needs m = {min(ms)}..{max(ms)}, but "
-                             + self.missing_m_message(ms))  # fmt: skip
+            raise ValueError(
+                f"{purpose} needs m = {min(ms)}..{max(ms)}, but " + self.missing_m_message(ms)
+            )
         return self
 
     def provenance_mismatches(self, provenance: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -120,8 +131,10 @@ class CostModel:
                 where = provenance.get(path)
                 used_text += f" ({where})" if used else f" (no checkpoint on disk at {where})"
             if measured is None:
-                lines.append(f"{key}: not recorded in the cost model (written before it "
-                             f"recorded its provenance), used with {used_text}")  # fmt: skip
+                lines.append(
+                    f"{key}: not recorded in the cost model (written before it "
+                    f"recorded its provenance), used with {used_text}"
+                )
                 continue
             measured_text = f"{measured} ({self.meta.get(path)})" if path else measured
             lines.append(f"{key}: measured on {measured_text}, used with {used_text}")

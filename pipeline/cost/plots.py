@@ -19,8 +19,9 @@ def plot_target_vs_experts(rounds: pd.DataFrame, model: CostModel, path: Path) -
     ks = sorted(rounds["k"].unique())
     cols = min(4, len(ks))
     rows = int(np.ceil(len(ks) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False,
-                             sharey=True)  # fmt: skip
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True
+    )
     median_ctx = float(rounds["ctx_len"].median())
     for ax, k in zip(axes.flat, ks, strict=False):
         sub = rounds[rounds["k"] == k]
@@ -47,12 +48,21 @@ def plot_draft_vs_k(rounds: pd.DataFrame, model: CostModel, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
     for sel, label in ((~look, "fixed chain of K"), (look, "K tokens + one look")):
         if sel.any():
-            ax.scatter(drafted.loc[sel, "draft_forwards"], drafted.loc[sel, "t_draft_ms"], s=4,
-                       alpha=0.3, label=label)  # fmt: skip
+            ax.scatter(
+                drafted.loc[sel, "draft_forwards"],
+                drafted.loc[sel, "t_draft_ms"],
+                s=4,
+                alpha=0.3,
+                label=label,
+            )
     top = int(drafted["draft_forwards"].max()) if len(drafted) else 1
     ns = np.arange(1, top + 1)
-    ax.plot(ns, [model.t_draft(int(n)) for n in ns], color="crimson",
-            label=f"T_D = {model.draft_a:.3f} n + {model.draft_b:.3f}")  # fmt: skip
+    ax.plot(
+        ns,
+        [model.t_draft(int(n)) for n in ns],
+        color="crimson",
+        label=f"T_D = {model.draft_a:.3f} n + {model.draft_b:.3f}",
+    )
     ax.set_xlabel("n (draft forwards)")
     ax.set_ylabel("T_D (ms)")
     ax.legend(fontsize=8)

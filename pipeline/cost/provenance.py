@@ -93,8 +93,9 @@ def provenance_of(
 def pair_provenance(pair: ModelPair) -> dict[str, Any]:
     """What a loaded pair runs on. A pair built in memory (no checkpoint on disk) has
     fingerprints None: unknown, which matches no cost model."""
-    return provenance_of(pair.device, pair.dtype, pair.experts_implementation,
-                         pair.target_path, pair.draft_path)  # fmt: skip
+    return provenance_of(
+        pair.device, pair.dtype, pair.experts_implementation, pair.target_path, pair.draft_path
+    )
 
 
 def manifest_provenance(manifest: dict[str, Any]) -> dict[str, Any]:

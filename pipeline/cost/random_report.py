@@ -43,8 +43,10 @@ def format_report(result: RandomCalibration) -> str:
         )
     lines.append("")
     if result.differences:
-        lines.append("paper (Qwen3-30B-A3B, bf16, A100): NOT like with like -- "
-                     + "; ".join(result.differences))  # fmt: skip
+        lines.append(
+            "paper (Qwen3-30B-A3B, bf16, A100): NOT like with like -- "
+            + "; ".join(result.differences)
+        )
     else:
         lines.append("paper (Qwen3-30B-A3B, bf16, A100): same layout and dtype on a GPU")
     cells = result.cells
@@ -57,9 +59,12 @@ def format_report(result: RandomCalibration) -> str:
 
 
 def fit_metrics(result: RandomCalibration) -> dict[str, float]:
-    metrics: dict[str, float] = {"c": result.coef["c"], "c_se": result.coef["c_se"],
-                                 "parameters": result.meta["parameters"],
-                                 "passes": result.meta["passes"]}  # fmt: skip
+    metrics: dict[str, float] = {
+        "c": result.coef["c"],
+        "c_se": result.coef["c_se"],
+        "parameters": result.meta["parameters"],
+        "passes": result.meta["passes"],
+    }
     for r in result.per_m.itertuples():
         for name in ("beta0", "beta0_se", "alpha", "alpha_se", "r2", "oos_r2", "oos_mape"):
             metrics[f"{name}_m{r.m}"] = getattr(r, name)

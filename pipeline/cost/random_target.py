@@ -66,16 +66,22 @@ class RandomCalibration:
         return [self.out / name for name in ARTIFACTS]
 
 
-def differences_from_paper(config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
-                           device_name: str, experts_implementation: str) -> list[str]:  # fmt: skip
+def differences_from_paper(
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    device_name: str,
+    experts_implementation: str,
+) -> list[str]:
     """What separates this measurement from the paper's (empty: like with like, up to the
     GPU model)."""
     out = []
     paper, ours = layout_fields(layout_config(PAPER_LAYOUT)), layout_fields(config)
     shape = [k for k in paper if ours.get(k) != paper[k]]
     if config.model_type != LAYOUTS[PAPER_LAYOUT]["model_type"] or shape:
-        out.append("another layout: " + ", ".join(f"{k} {ours.get(k)} vs {paper.get(k)}"
-                                                  for k in shape))  # fmt: skip
+        out.append(
+            "another layout: " + ", ".join(f"{k} {ours.get(k)} vs {paper.get(k)}" for k in shape)
+        )
     if device.type != "cuda":
         out.append(f"device {device.type}, the paper's is an A100 GPU")
     elif "A100" not in device_name:
@@ -100,9 +106,15 @@ def paper_comparison(per_m: pd.DataFrame) -> pd.DataFrame:
     for r in per_m.itertuples():
         estimated = pd.notna(r.alpha_se)
         ref = paper_alpha(int(r.m))
-        rows.append({"m": int(r.m), "alpha": r.alpha if estimated else float("nan"),
-                     "alpha_se": r.alpha_se, "paper_alpha": ref,
-                     "ratio": r.alpha / ref if estimated else float("nan")})  # fmt: skip
+        rows.append(
+            {
+                "m": int(r.m),
+                "alpha": r.alpha if estimated else float("nan"),
+                "alpha_se": r.alpha_se,
+                "paper_alpha": ref,
+                "ratio": r.alpha / ref if estimated else float("nan"),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -140,10 +152,12 @@ def run_random_calibration(
     if len(contexts) * len(ms) < 2:
         raise ValueError("the fit needs >= 2 (context, m) groups: add contexts or m values")
     params = parameter_count(config)
-    log(f"[calibrate_random] building {layout or config.model_type}: {params:,} "
+    log(
+        f"[calibrate_random] building {layout or config.model_type}: {params:,} "
         f"parameters, {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-"
         f"{spec.top_k}, on {dev} in {str(dt).removeprefix('torch.')} "
-        f"(experts={experts_implementation})")  # fmt: skip
+        f"(experts={experts_implementation})"
+    )
     model = build_random_moe(config, dev, dt, experts_implementation, seed)
     table = collect_designed_rounds(model, spec, contexts, ms, repeats, max_levels, seed, log)
     name = device_name(dev)
@@ -162,8 +176,10 @@ def run_random_calibration(
     n_splits(df["gen_id"])
     coef, per_m, notes = fit_per_m(df)
     if dropped:
-        notes.append(f"{dropped} cells dropped as timing interference (> 8 robust SD above "
-                     "the median of their m)")  # fmt: skip
+        notes.append(
+            f"{dropped} cells dropped as timing interference (> 8 robust SD above "
+            "the median of their m)"
+        )
     notes += [f"beta0 not monotone in m: {p}" for p in beta0_monotone(per_m)]
     per_m.to_csv(out / "fit_per_m.csv", index=False)
     paper = paper_comparison(per_m)
@@ -194,21 +210,26 @@ def run_random_calibration(
         "config": layout_fields(config),
     }
     result = RandomCalibration(per_m, coef, paper, cells, rounds, meta, notes, differences, out)
-    (out / "target_fit.json").write_text(json.dumps(fit_json(result), indent=2, default=str)
-                                         + "\n")  # fmt: skip
+    (out / "target_fit.json").write_text(json.dumps(fit_json(result), indent=2, default=str) + "\n")
     return result
 
 
 def fit_json(result: RandomCalibration) -> dict[str, Any]:
     per_m = {
         str(int(r.m)): {
-            "n": int(r.n), "beta0": num(r.beta0), "beta0_se": num(r.beta0_se),
-            "alpha": num(r.alpha), "alpha_se": num(r.alpha_se), "alpha_p": num(r.alpha_p),
-            "r2": num(r.r2), "oos_r2": num(r.oos_r2), "oos_rmse_ms": num(r.oos_rmse),
+            "n": int(r.n),
+            "beta0": num(r.beta0),
+            "beta0_se": num(r.beta0_se),
+            "alpha": num(r.alpha),
+            "alpha_se": num(r.alpha_se),
+            "alpha_p": num(r.alpha_p),
+            "r2": num(r.r2),
+            "oos_r2": num(r.oos_r2),
+            "oos_rmse_ms": num(r.oos_rmse),
             "oos_mape_pct": num(r.oos_mape),
         }
         for r in result.per_m.itertuples()
-    }  # fmt: skip
+    }
     return {
         "model": "T_T = beta0(m) + alpha(m) U + c L (ms; U unique experts per MoE layer, "
         "L context tokens)",
@@ -225,7 +246,7 @@ def fit_json(result: RandomCalibration) -> dict[str, Any]:
             "per_m": [
                 {k: (num(v) if isinstance(v, float) else v) for k, v in row.items()}
                 for row in result.paper.to_dict("records")
-            ],  # fmt: skip
+            ],
         },
         "notes": result.notes,
         "meta": result.meta,

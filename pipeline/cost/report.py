@@ -39,8 +39,15 @@ def fit_metrics(fit: CostFit, rounds: pd.DataFrame) -> dict[str, float]:
 
 def format_report(fit: CostFit, per_k: pd.DataFrame) -> str:
     model = fit.model
-    cols = ["k", "m", "draft_forwards", "rounds", "mean_t_target_ms", "mean_t_draft_ms",
-            "mean_u_bar"]  # fmt: skip
+    cols = [
+        "k",
+        "m",
+        "draft_forwards",
+        "rounds",
+        "mean_t_target_ms",
+        "mean_t_draft_ms",
+        "mean_u_bar",
+    ]
     lines = [
         "per-K rounds (sql/calibration_per_k.sql):",
         per_k[[*cols, "mean_accepted"]].to_string(index=False, float_format="{:.3f}".format),
@@ -93,23 +100,34 @@ def format_design_comparison(
             f"{_fmt(r.oos_r2_observational, '.2f'):>6} | {_fmt(r.heldout_r2, '.2f'):>5} "
             f"{_fmt(r.heldout_mape, '.2f'):>6}%"
         )
-    forced = comparison.rename(columns={"beta0_forced": "beta0", "beta0_se_forced": "beta0_se",
-                                        "alpha_se_forced": "alpha_se"})  # fmt: skip
+    forced = comparison.rename(
+        columns={
+            "beta0_forced": "beta0",
+            "beta0_se_forced": "beta0_se",
+            "alpha_se_forced": "alpha_se",
+        }
+    )
     problems = beta0_monotone(forced[["m", "beta0", "beta0_se", "alpha_se"]])
-    lines.append("forced beta0(m) monotone within 95% intervals (m with a slope): "
-                 + ("yes" if not problems else "no: " + "; ".join(problems)))  # fmt: skip
+    lines.append(
+        "forced beta0(m) monotone within 95% intervals (m with a slope): "
+        + ("yes" if not problems else "no: " + "; ".join(problems))
+    )
     labels = {
         "designed_on_observational_rounds": "forced model on the rounds (held out)",
         "observational_on_own_rounds": "observational model on its own rounds",
     }
     for key, label in labels.items() if summary else ():
         e = summary[key]
-        lines.append(f"{label}: bias {e['bias_pct']:+.2f}%, MAPE {e['mape_pct']:.2f}% per round "
-                     f"(MedAPE {e['medape_pct']:.2f}%), {e['generation_total_mape_pct']:.2f}% on "
-                     f"the total of each of {e['generations']} generations")  # fmt: skip
+        lines.append(
+            f"{label}: bias {e['bias_pct']:+.2f}%, MAPE {e['mape_pct']:.2f}% per round "
+            f"(MedAPE {e['medape_pct']:.2f}%), {e['generation_total_mape_pct']:.2f}% on "
+            f"the total of each of {e['generations']} generations"
+        )
     if cells is not None and len(cells):
         rel = cells["rel_mad_pct"]
-        lines.append(f"noise left per (m, U) cell (robust SD / median): median "
-                     f"{rel.median():.1f}%, max {rel.max():.1f}% over {len(cells)} "
-                     "cells")  # fmt: skip
+        lines.append(
+            f"noise left per (m, U) cell (robust SD / median): median "
+            f"{rel.median():.1f}%, max {rel.max():.1f}% over {len(cells)} "
+            "cells"
+        )
     return "\n".join(lines)

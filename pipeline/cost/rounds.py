@@ -150,8 +150,9 @@ def collect_rounds(
                 if observer is None
                 else partial(observer.after_step, gen_id=gen_id, category=prompt.category)
             )
-            for row in _generation_rounds(engine, ids, k, max_new_tokens, eos, repeats, look,
-                                          observe):  # fmt: skip
+            for row in _generation_rounds(
+                engine, ids, k, max_new_tokens, eos, repeats, look, observe
+            ):
                 rows.append({"gen_id": gen_id, "category": prompt.category, **row})
         elapsed = time.perf_counter() - started
         eta = elapsed / n * (len(prompts) - n)

@@ -105,8 +105,11 @@ def _turns(record: Any, n: int, name: str) -> tuple[str, list[dict]]:
         raise PromptSourceError(f"{where}: expected an object with a 'conversations' list")
     turns = record["conversations"]
     for t, turn in enumerate(turns):
-        if not (isinstance(turn, dict) and isinstance(turn.get("from"), str)
-                and isinstance(turn.get("value"), str)):  # fmt: skip
+        if not (
+            isinstance(turn, dict)
+            and isinstance(turn.get("from"), str)
+            and isinstance(turn.get("value"), str)
+        ):
             raise PromptSourceError(f"{where}: turn {t} needs string 'from' and 'value'")
     return str(record.get("id", n)), turns
 
@@ -133,9 +136,15 @@ def sharegpt_prompts(
             continue
         seen[cid] = seen.get(cid, 0) + 1
         reply = turns[1]["value"] if turns[1]["from"].lower() in ASSISTANT else None
-        prompts.append(Prompt(prompt_id=cid if seen[cid] == 1 else f"{cid}#{seen[cid]}",
-                              category=SHAREGPT_SOURCE, text=prompt, source=SHAREGPT_SOURCE,
-                              reference=reply))  # fmt: skip
+        prompts.append(
+            Prompt(
+                prompt_id=cid if seen[cid] == 1 else f"{cid}#{seen[cid]}",
+                category=SHAREGPT_SOURCE,
+                text=prompt,
+                source=SHAREGPT_SOURCE,
+                reference=reply,
+            )
+        )
     random.Random(seed).shuffle(prompts)
     return prompts
 

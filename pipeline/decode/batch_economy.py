@@ -93,8 +93,10 @@ def plan_lengths(
         # A drafted token's own cost: its place in the rounds, its position in the pass
         # (its work and its share of new experts) and its attention over its context.
         unit = cost.d_tok + cost.marginal_target(rows * 3.0, 1)
-        upto = [_best_prefix(a, max_k, rho, unit + cost.b_ctx * c)
-                for a, c in zip(accs, ctxs, strict=True)]  # fmt: skip
+        upto = [
+            _best_prefix(a, max_k, rho, unit + cost.b_ctx * c)
+            for a, c in zip(accs, ctxs, strict=True)
+        ]
         for rounds in range(max_k + 1):
             ks = [u[rounds] for u in upto]
             attended = sum((1 + k) * c for k, c in zip(ks, ctxs, strict=True))

@@ -102,8 +102,12 @@ class BatchedEngine(SpeculativeEngine):
     """A SpeculativeEngine whose sessions share packed forwards through ``batcher``; every
     session must run on its own thread inside ``batcher.participant()``."""
 
-    def __init__(self, pair: ModelPair, limits: StepLimits | None = None,
-                 batcher: ForwardBatcher | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pair: ModelPair,
+        limits: StepLimits | None = None,
+        batcher: ForwardBatcher | None = None,
+    ) -> None:
         for model in (pair.target, pair.draft):
             if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
                 raise ValueError(
@@ -115,15 +119,28 @@ class BatchedEngine(SpeculativeEngine):
         self.batcher = batcher or ForwardBatcher(pair)
 
     def start(self, prompt_ids, policy, sampling=None, seed=None, repeats: int = 1, rng=None):
-        return BatchedSession(self.batcher, self.pair, prompt_ids, policy,
-                              sampling or SamplingConfig(), seed, repeats, rng,
-                              self.limits)  # fmt: skip
+        return BatchedSession(
+            self.batcher,
+            self.pair,
+            prompt_ids,
+            policy,
+            sampling or SamplingConfig(),
+            seed,
+            repeats,
+            rng,
+            self.limits,
+        )
 
     def generate_many(
-        self, prompts: list[list[int]], make_policy: Callable[[], object],
-        max_new_tokens: int = 64, sampling: SamplingConfig | None = None,
-        seeds: list[int] | None = None, max_batch: int = 16, stop_at_eos: bool = True,
-    ) -> list[Generation]:  # fmt: skip
+        self,
+        prompts: list[list[int]],
+        make_policy: Callable[[], object],
+        max_new_tokens: int = 64,
+        sampling: SamplingConfig | None = None,
+        seeds: list[int] | None = None,
+        max_batch: int = 16,
+        stop_at_eos: bool = True,
+    ) -> list[Generation]:
         """Decode every prompt, ``max_batch`` at a time (a new one joins as one ends): the
         generations in prompt order. An exception in any generation is raised here."""
         seeds = seeds if seeds is not None else list(range(len(prompts)))
@@ -136,8 +153,15 @@ class BatchedEngine(SpeculativeEngine):
         def one(i: int) -> None:
             try:
                 with self.batcher.participant():
-                    stream = self.stream(prompts[i], make_policy(), max_new_tokens, sampling,
-                                         seeds[i], None, stop_at_eos)  # fmt: skip
+                    stream = self.stream(
+                        prompts[i],
+                        make_policy(),
+                        max_new_tokens,
+                        sampling,
+                        seeds[i],
+                        None,
+                        stop_at_eos,
+                    )
                     results[i] = stream.run()
             except BaseException as exc:
                 results[i] = exc

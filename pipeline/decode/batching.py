@@ -185,8 +185,9 @@ class ForwardBatcher:
         model = pair.draft if side == "draft" else pair.target
         with self._cache_lock:
             starts = [cache.length[r.row] for r in batch]
-            mask = cache.plan([(r.row, len(r.ids), r.visible) for r in batch], model.dtype,
-                              pair.device)  # fmt: skip
+            mask = cache.plan(
+                [(r.row, len(r.ids), r.visible) for r in batch], model.dtype, pair.device
+            )
             positions = []
             for req, start in zip(batch, starts, strict=True):
                 positions += req.positions or list(range(start, start + len(req.ids)))
@@ -194,8 +195,12 @@ class ForwardBatcher:
             pos = torch.tensor([positions], device=pair.device)
 
             def run():
-                kw = {"past_key_values": cache, "use_cache": True, "attention_mask": mask,
-                      "position_ids": pos}  # fmt: skip
+                kw = {
+                    "past_key_values": cache,
+                    "use_cache": True,
+                    "attention_mask": mask,
+                    "position_ids": pos,
+                }
                 with segmented_attention(model, cache):
                     if side == "draft":
                         return model(ids, output_hidden_states=True, **kw), None
@@ -219,9 +224,18 @@ class ForwardBatcher:
             r = routing.cpu().numpy()
             union = [len(np.unique(r[:, layer])) for layer in range(r.shape[1])]
         attended = sum(len(r.ids) * s for r, s in zip(batch, starts, strict=True))
-        record = BatchRecord(side, len(batch), int(ids.shape[1]), union, sum(starts),
-                             sum(req.prefill for req in batch), t_ms, gap_ms,
-                             sum(req.begin for req in batch), attended)  # fmt: skip
+        record = BatchRecord(
+            side,
+            len(batch),
+            int(ids.shape[1]),
+            union,
+            sum(starts),
+            sum(req.prefill for req in batch),
+            t_ms,
+            gap_ms,
+            sum(req.begin for req in batch),
+            attended,
+        )
         self.records.append(record)
         if self.economy is not None:
             self.economy.observe(record)

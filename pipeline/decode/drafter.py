@@ -27,8 +27,13 @@ class Drafter:
     tokens raises StepLimitExceeded before it runs (the prompt's prefill is not a step).
     """
 
-    def __init__(self, pair: ModelPair, sampling: SamplingConfig, rng: RandomSource,
-                 limits: StepLimits | None = None):  # fmt: skip
+    def __init__(
+        self,
+        pair: ModelPair,
+        sampling: SamplingConfig,
+        rng: RandomSource,
+        limits: StepLimits | None = None,
+    ):
         self.pair = pair
         self.sampling = sampling
         self.rng = rng  # the session's one source of randomness (pipeline.decode.randomness)
@@ -129,9 +134,10 @@ class Drafter:
         depth = sees.sum(dim=1) - 1
         positions = (base + depth).view(1, -1).to(self.pair.device)
         logits = self._forward(
-            tokens, attention_mask=mask.view(1, 1, *mask.shape).to(self.pair.device),
+            tokens,
+            attention_mask=mask.view(1, 1, *mask.shape).to(self.pair.device),
             position_ids=positions,
-        )  # fmt: skip
+        )
         return self.sampling.probs(logits)
 
     def sample(self, probs: torch.Tensor) -> int:

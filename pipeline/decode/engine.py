@@ -30,9 +30,16 @@ class DecodeSession:
     """One generation in progress: both caches, the committed tokens, the step records."""
 
     def __init__(
-        self, pair: ModelPair, prompt_ids: list[int], policy, sampling, seed, repeats: int = 1,
-        rng: RandomSource | None = None, limits: StepLimits | None = None,
-    ):  # fmt: skip
+        self,
+        pair: ModelPair,
+        prompt_ids: list[int],
+        policy,
+        sampling,
+        seed,
+        repeats: int = 1,
+        rng: RandomSource | None = None,
+        limits: StepLimits | None = None,
+    ):
         """``repeats`` > 1 (calibration) runs every draft proposal and verification pass that
         many times, rolling the caches back in between, and records the median times; only
         greedy decoding, whose repeats are identical, allows it. ``rng`` is where every random
@@ -70,8 +77,9 @@ class DecodeSession:
 
     def _verify_forward(self, ids: list[int], **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.tensor([ids], device=self.pair.device)
-        return verification_forward(self.pair.target, self.pair.spec, t, self.target_cache,
-                                    **kwargs)  # fmt: skip
+        return verification_forward(
+            self.pair.target, self.pair.spec, t, self.target_cache, **kwargs
+        )
 
     def _keep_target(self, base: int, extra: list[int]) -> None:
         keep_positions(self.target_cache, base, extra)
@@ -140,9 +148,13 @@ class DecodeSession:
         return logits, routing, t_verify
 
     def commit(
-        self, cands: Candidates, logits: torch.Tensor, routing: torch.Tensor, t_draft: float,
+        self,
+        cands: Candidates,
+        logits: torch.Tensor,
+        routing: torch.Tensor,
+        t_draft: float,
         t_verify: float,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         """Accept (the step's only draws after drafting), keep the accepted path in the target
         cache, record the step, let the policy adapt; the new tokens."""
         base = len(self.committed) - 1
@@ -151,9 +163,17 @@ class DecodeSession:
         self.committed.extend(new)
         routing_np = routing.cpu().numpy()
         unique = [len(np.unique(routing_np[:, layer])) for layer in range(routing_np.shape[1])]
-        record = StepRecord(len(cands), len(cands) + 1, len(accepted), len(new), unique,
-                            t_draft, t_verify, self.drafter.forwards,
-                            self.drafter.tokens)  # fmt: skip
+        record = StepRecord(
+            len(cands),
+            len(cands) + 1,
+            len(accepted),
+            len(new),
+            unique,
+            t_draft,
+            t_verify,
+            self.drafter.forwards,
+            self.drafter.tokens,
+        )
         self.steps.append(record)
         self.policy.update(StepOutcome(cands, len(accepted), record))
         return new
@@ -173,11 +193,24 @@ class SpeculativeEngine:
         self.limits = limits
 
     def start(
-        self, prompt_ids: list[int], policy, sampling=None, seed=None, repeats: int = 1,
+        self,
+        prompt_ids: list[int],
+        policy,
+        sampling=None,
+        seed=None,
+        repeats: int = 1,
         rng: RandomSource | None = None,
-    ) -> DecodeSession:  # fmt: skip
-        return DecodeSession(self.pair, prompt_ids, policy, sampling or SamplingConfig(), seed,
-                             repeats, rng, self.limits)  # fmt: skip
+    ) -> DecodeSession:
+        return DecodeSession(
+            self.pair,
+            prompt_ids,
+            policy,
+            sampling or SamplingConfig(),
+            seed,
+            repeats,
+            rng,
+            self.limits,
+        )
 
     def stream(
         self,
@@ -190,13 +223,21 @@ class SpeculativeEngine:
         stop_at_eos: bool = True,
     ) -> GenerationStream:
         """A generation to run step by step, handing out its text as it grows."""
-        return GenerationStream(self, prompt_ids, policy, max_new_tokens, sampling, seed, stop,
-                                stop_at_eos)  # fmt: skip
+        return GenerationStream(
+            self, prompt_ids, policy, max_new_tokens, sampling, seed, stop, stop_at_eos
+        )
 
-    def generate(self, prompt_ids: list[int], policy, max_new_tokens: int = 64,
-                 sampling: SamplingConfig | None = None, seed: int | None = None,
-                 stop: list[str] | None = None, stop_at_eos: bool = True,
-                 ) -> Generation:  # fmt: skip
+    def generate(
+        self,
+        prompt_ids: list[int],
+        policy,
+        max_new_tokens: int = 64,
+        sampling: SamplingConfig | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_at_eos: bool = True,
+    ) -> Generation:
         """Decode until max_new_tokens, EOS or a stop string (the text ends before it)."""
-        return self.stream(prompt_ids, policy, max_new_tokens, sampling, seed, stop,
-                           stop_at_eos).run()  # fmt: skip
+        return self.stream(
+            prompt_ids, policy, max_new_tokens, sampling, seed, stop, stop_at_eos
+        ).run()

@@ -25,9 +25,17 @@ class GenerationStream:
     U+FFFD (a UTF-8 character split across tokens).
     """
 
-    def __init__(self, engine: SpeculativeEngine, prompt_ids: list[int], policy,
-                 max_new_tokens: int, sampling: SamplingConfig | None, seed: int | None,
-                 stop: list[str] | None, stop_at_eos: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        prompt_ids: list[int],
+        policy,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None,
+        seed: int | None,
+        stop: list[str] | None,
+        stop_at_eos: bool,
+    ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.engine = engine
@@ -45,8 +53,9 @@ class GenerationStream:
         ``result.text``; ``cancelled()`` is polled between steps (finish reason "cancelled")."""
         return (delta for delta in self.step_deltas(cancelled) if delta)
 
-    def step_deltas(self, cancelled: Callable[[], bool] = lambda: False,
-                    deadline: float | None = None) -> Iterator[str]:  # fmt: skip
+    def step_deltas(
+        self, cancelled: Callable[[], bool] = lambda: False, deadline: float | None = None
+    ) -> Iterator[str]:
         """Run step by step, yielding once per unit of work so that a caller (a server's
         heartbeat, its fairness between requests) regains control after each: "" once the
         session is started (the prefill), then one delta per engine step (possibly ""), then

@@ -45,8 +45,10 @@ class TreeRule:
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
-            raise ValueError(f"tree rule {self.selection!r}: the selection must be one of "
-                             f"{', '.join(SELECTIONS)}")  # fmt: skip
+            raise ValueError(
+                f"tree rule {self.selection!r}: the selection must be one of "
+                f"{', '.join(SELECTIONS)}"
+            )
         if self.branch < 1 or (self.depth is not None and self.depth < 1):
             raise ValueError(f"tree rule {self.name}: branch and depth must be >= 1")
 
@@ -96,8 +98,9 @@ class Expansion:
         return sum(1 for lv in self.level if lv < levels)
 
 
-def _children(exp: Expansion, parents: list[int], probs: torch.Tensor, level: int,
-              branch: int, contexts) -> list[int]:  # fmt: skip
+def _children(
+    exp: Expansion, parents: list[int], probs: torch.Tensor, level: int, branch: int, contexts
+) -> list[int]:
     """Add the top-``branch`` children of each parent (rows of ``probs``); the new frontier:
     the ``branch`` most probable of them (build_tree's stable order)."""
     top = torch.topk(probs, min(branch, probs.shape[-1]), dim=-1)
@@ -112,9 +115,14 @@ def _children(exp: Expansion, parents: list[int], probs: torch.Tensor, level: in
 
 @torch.no_grad()
 def expand_states(
-    draft: PreTrainedModel, cache: Cache, root_probs: torch.Tensor, ctx_lens: list[int],
-    branch: int, levels: int, root_hidden: torch.Tensor | None = None,
-) -> tuple[list[Expansion], int]:  # fmt: skip
+    draft: PreTrainedModel,
+    cache: Cache,
+    root_probs: torch.Tensor,
+    ctx_lens: list[int],
+    branch: int,
+    levels: int,
+    root_hidden: torch.Tensor | None = None,
+) -> tuple[list[Expansion], int]:
     """The expansions of several states: ``root_probs[s]`` is the draft's distribution after
     state s's root, which sees the cache's first ``ctx_lens[s]`` positions; ``root_hidden[s]``
     (EcoSpec's predictor context of level 0) its hidden state. The cache is returned to its
@@ -122,9 +130,17 @@ def expand_states(
     device = draft.device
     base_len = cache.get_seq_length()
     exps = [Expansion() for _ in ctx_lens]
-    frontier = [_children(e, [-1], root_probs[s : s + 1], 0, branch,
-                          None if root_hidden is None else root_hidden[s : s + 1])
-                for s, e in enumerate(exps)]  # fmt: skip
+    frontier = [
+        _children(
+            e,
+            [-1],
+            root_probs[s : s + 1],
+            0,
+            branch,
+            None if root_hidden is None else root_hidden[s : s + 1],
+        )
+        for s, e in enumerate(exps)
+    ]
     slots: dict[tuple[int, int], list[int]] = {}  # (state, node) -> cache slots of its path
     appended, fed = 0, 0
     try:
@@ -143,9 +159,14 @@ def expand_states(
             mask = torch.zeros(visible.shape, dtype=draft.dtype)
             mask.masked_fill_(~visible, torch.finfo(draft.dtype).min)
             ids = torch.tensor([[exps[s].tokens[node] for s, node in rows]], device=device)
-            out = draft(ids, attention_mask=mask.view(1, 1, *mask.shape).to(device),
-                        position_ids=positions.view(1, -1).to(device), past_key_values=cache,
-                        use_cache=True, output_hidden_states=root_hidden is not None)  # fmt: skip
+            out = draft(
+                ids,
+                attention_mask=mask.view(1, 1, *mask.shape).to(device),
+                position_ids=positions.view(1, -1).to(device),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=root_hidden is not None,
+            )
             probs = torch.softmax(out.logits[0].float(), dim=-1)
             hidden = out.hidden_states[-1][0] if root_hidden is not None else None
             appended += n
@@ -153,16 +174,27 @@ def expand_states(
             start = 0
             for s, nodes in enumerate(frontier):
                 part = slice(start, start + len(nodes))
-                frontier[s] = _children(exps[s], nodes, probs[part], level, branch,
-                                        None if hidden is None else hidden[part])  # fmt: skip
+                frontier[s] = _children(
+                    exps[s],
+                    nodes,
+                    probs[part],
+                    level,
+                    branch,
+                    None if hidden is None else hidden[part],
+                )
                 start += len(nodes)
     finally:
         crop_to(cache, base_len)
     return exps, fed
 
 
-def select(rule: TreeRule, exp: Expansion, k_max: int, predicted: np.ndarray | None = None,
-           root_predicted: np.ndarray | None = None) -> list[int]:  # fmt: skip
+def select(
+    rule: TreeRule,
+    exp: Expansion,
+    k_max: int,
+    predicted: np.ndarray | None = None,
+    root_predicted: np.ndarray | None = None,
+) -> list[int]:
     """The rule's first ``k_max`` nodes, in selection order (the first k: budget k + 1).
     EcoSpec needs each node's ``predicted`` experts ``[nodes, layers, top_k]`` and the root's
     (the buffer the pass loads anyway), as `ecospec` predicts them online."""
@@ -173,8 +205,9 @@ def select(rule: TreeRule, exp: Expansion, k_max: int, predicted: np.ndarray | N
     if predicted is None or root_predicted is None:
         raise ValueError("the ecospec rule needs the expert predictor's predictions")
     buffer = [set(row.tolist()) for row in root_predicted]
-    return select_nodes(exp.path_p[:count], footprints_of(predicted[:count], parents), parents,
-                        k_max + 1, buffer)  # fmt: skip
+    return select_nodes(
+        exp.path_p[:count], footprints_of(predicted[:count], parents), parents, k_max + 1, buffer
+    )
 
 
 def predict_experts(predictor: ExpertPredictor, exps: list[Expansion]) -> list[np.ndarray]:

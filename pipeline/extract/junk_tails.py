@@ -223,8 +223,9 @@ def route_tails(
     if not sum(lengths):
         return np.zeros((0, spec.num_moe_layers, spec.top_k), dtype=np.int16)
     root_context = np.repeat(contexts, lengths).tolist()
-    return route_forest(target, spec, target_cache, np.concatenate(tails),
-                        chains_as_tree(lengths), root_context)  # fmt: skip
+    return route_forest(
+        target, spec, target_cache, np.concatenate(tails), chains_as_tree(lengths), root_context
+    )
 
 
 @torch.no_grad()

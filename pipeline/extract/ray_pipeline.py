@@ -86,8 +86,9 @@ class ShardExtractor:
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.rules = tuple(TreeRule.parse(r) for r in config.trees)
-        self.predictor = tree_predictor(list(self.rules), config.predictor, self.pair.spec,
-                                        self.pair.device)  # fmt: skip
+        self.predictor = tree_predictor(
+            list(self.rules), config.predictor, self.pair.spec, self.pair.device
+        )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from pipeline.data.references import build_references

@@ -223,8 +223,11 @@ def extract_sequence(
         schema=SEQUENCES_SCHEMA,
     )
     n_tails = len(specs)
-    trees_table, tree_stats = (tree_rows(pair, ref, forced, list(trees), tree_budget, predictor,
-                                         chunk_tokens) if trees else (None, None))  # fmt: skip
+    trees_table, tree_stats = (
+        tree_rows(pair, ref, forced, list(trees), tree_budget, predictor, chunk_tokens)
+        if trees
+        else (None, None)
+    )
     stats = ExtractStats(
         sequences=1,
         reference_tokens=n,
@@ -267,8 +270,14 @@ def extract_sequences(
         raise ValueError(f"temperature must be a positive number, got {temperature}")
     for ref in refs:  # refuse before the batch's forwards, as a lone sequence does
         _check_sliding_window(pair, len(ref.all_ids) + max(lmax, tree_budget if trees else 0))
-    tails = {"acceptances": acceptances, "draws": draws, "temperature": temperature,
-             "trees": trees, "tree_budget": tree_budget, "predictor": predictor}  # fmt: skip
+    tails = {
+        "acceptances": acceptances,
+        "draws": draws,
+        "temperature": temperature,
+        "trees": trees,
+        "tree_budget": tree_budget,
+        "predictor": predictor,
+    }
     out: list[SequenceTables] = []
     for start in range(0, len(refs), batch_size):
         group = refs[start : start + batch_size]

@@ -72,8 +72,11 @@ def row_cache(cache: Cache, config: PretrainedConfig, row: int, length: int) -> 
                 f"cache layer {idx} ({type(layer).__name__}) cannot be split into rows; "
                 "extract with batch size 1"
             )
-        out.update(layer.keys[row : row + 1, ..., -length:, :],
-                   layer.values[row : row + 1, ..., -length:, :], idx)  # fmt: skip
+        out.update(
+            layer.keys[row : row + 1, ..., -length:, :],
+            layer.values[row : row + 1, ..., -length:, :],
+            idx,
+        )
         if type(out.layers[idx]) is not type(layer):
             raise TypeError(f"cache layer {idx}: the row's cache has another layer type")
     return out

@@ -36,8 +36,9 @@ class TreeStats:
     target_token_forwards: int = 0  # off-path nodes routed (shared between rules)
 
 
-def tree_predictor(rules: list[TreeRule], path: str | None, spec: MoESpec,
-                   device) -> ExpertPredictor | None:  # fmt: skip
+def tree_predictor(
+    rules: list[TreeRule], path: str | None, spec: MoESpec, device
+) -> ExpertPredictor | None:
     """The expert predictor EcoSpec's rule reads (None when no rule needs one), checked against
     the target it is to predict for."""
     if not any(r.selection == "ecospec" for r in rules):
@@ -113,9 +114,19 @@ def tree_rows(
             predicted = predict_experts(predictor, exps)
             before = [hidden[p_len - 2 + i] if p_len - 2 + i >= 0 else None for i in range(n)]
             roots = predictor.predict_many(reference[:n].tolist(), before)
-        chosen = {r.name: [select_nodes(r, e, k_max, None if predicted is None else predicted[i],
-                                        None if roots is None else roots[i])
-                           for i, e in enumerate(exps)] for r in group}  # fmt: skip
+        chosen = {
+            r.name: [
+                select_nodes(
+                    r,
+                    e,
+                    k_max,
+                    None if predicted is None else predicted[i],
+                    None if roots is None else roots[i],
+                )
+                for i, e in enumerate(exps)
+            ]
+            for r in group
+        }
         on_path = [_on_path(e, reference, i) for i, e in enumerate(exps)]
         routed = _route_off_path(pair, forced, exps, on_path, chosen, p_len, chunk_tokens)
         stats.target_token_forwards += sum(len(r) for r in routed)
@@ -134,21 +145,32 @@ def tree_rows(
                     columns["token_id"].append(exp.tokens[node])
                     columns["path_prob"].append(exp.path_p[node])
                     columns["on_path"].append(on_path[i][node])
-                    routing_rows.append(forced.routing[i + level + 1] if on_path[i][node]
-                                        else routed[i][node])  # fmt: skip
+                    routing_rows.append(
+                        forced.routing[i + level + 1] if on_path[i][node] else routed[i][node]
+                    )
     stats.nodes = len(routing_rows)
     empty = np.zeros((0, pair.spec.num_moe_layers, pair.spec.top_k), np.int16)
     columns["experts"] = experts_array(np.stack(routing_rows) if routing_rows else empty)
     return pa.table(columns, schema=TREES_SCHEMA), stats
 
 
-def _route_off_path(pair: ModelPair, forced: TeacherForced, exps: list[Expansion],
-                    on_path: list[list[bool]], chosen: dict[str, list[list[int]]], p_len: int,
-                    chunk_tokens: int) -> list[dict[int, np.ndarray]]:  # fmt: skip
+def _route_off_path(
+    pair: ModelPair,
+    forced: TeacherForced,
+    exps: list[Expansion],
+    on_path: list[list[bool]],
+    chosen: dict[str, list[list[int]]],
+    p_len: int,
+    chunk_tokens: int,
+) -> list[dict[int, np.ndarray]]:
     """node -> routing of every off-path node any rule selected, per state; packed forests of
     at most ``chunk_tokens`` nodes (whole states)."""
-    wanted = [sorted({node for per_rule in chosen.values() for node in per_rule[i]
-                      if not on_path[i][node]}) for i in range(len(exps))]  # fmt: skip
+    wanted = [
+        sorted(
+            {node for per_rule in chosen.values() for node in per_rule[i] if not on_path[i][node]}
+        )
+        for i in range(len(exps))
+    ]
     out: list[dict[int, np.ndarray]] = [{} for _ in exps]
     start = 0
     while start < len(exps):
@@ -168,8 +190,9 @@ def _route_off_path(pair: ModelPair, forced: TeacherForced, exps: list[Expansion
                 contexts.append(p_len + i + exps[i].level[node])
                 owners.append((i, node))
         if tokens:
-            routing = route_forest(pair.target, pair.spec, forced.target_cache,
-                                   np.array(tokens), parents, contexts)  # fmt: skip
+            routing = route_forest(
+                pair.target, pair.spec, forced.target_cache, np.array(tokens), parents, contexts
+            )
             for (i, node), row in zip(owners, routing, strict=True):
                 out[i][node] = row
         start = stop

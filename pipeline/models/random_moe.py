@@ -83,7 +83,7 @@ def layout_config(layout: str | Path, **overrides: Any) -> PretrainedConfig:
         base = _read_config_file(Path(layout).expanduser())
     else:
         raise ValueError(f"unknown layout {str(layout)!r}: not one of {', '.join(LAYOUTS)} "
-                         "and not an existing config.json")  # fmt: skip
+                         "and not an existing config.json")
     model_type = base.pop("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"config model_type {model_type!r} is unknown to transformers")
@@ -93,10 +93,10 @@ def layout_config(layout: str | Path, **overrides: Any) -> PretrainedConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown {model_type} config field(s) to override: "
-                         f"{', '.join(unknown)}")  # fmt: skip
+                         f"{', '.join(unknown)}")
     if overrides:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type",
-                  "transformers_version", "architectures", "_name_or_path")}  # fmt: skip
+                  "transformers_version", "architectures", "_name_or_path")}
         # An alias (Qwen3-MoE's num_experts -> num_local_experts) replaces its target field.
         attribute_map = getattr(cls, "attribute_map", {})
         for key, value in overrides.items():
@@ -170,7 +170,7 @@ def build_random_moe(
     kernel. Refuses (ModelTooLargeError) before allocating when it cannot fit."""
     if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
         raise ValueError(f"experts implementation {experts_implementation!r} is not one of "
-                         f"{', '.join(EXPERTS_IMPLEMENTATIONS)}")  # fmt: skip
+                         f"{', '.join(EXPERTS_IMPLEMENTATIONS)}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

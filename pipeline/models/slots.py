@@ -40,7 +40,7 @@ def _segmented_sdpa(module: nn.Module, query, key, value, attention_mask, **kwar
         sdpa_attention_forward(module, query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1],
                                attention_mask[:, :, q0:q1, k0:k1], **kwargs)[0]
         for q0, q1, k0, k1 in segments
-    ]  # fmt: skip
+    ]
     return torch.cat(parts, dim=1), None
 
 
@@ -178,7 +178,7 @@ class SlotCache(Cache):
     # --- a packed forward -----------------------------------------------------------------
 
     def plan(self, parts: list[tuple[int, int, torch.Tensor | None]], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:  # fmt: skip
+             device: torch.device) -> torch.Tensor:
         """Set up one packed forward: ``parts`` are (row, n new tokens, visibility), the
         visibility a ``[n, length + n]`` bool matrix over the row's cached positions and its new
         tokens (None: causal, every cached position and the new tokens before it). The new

@@ -105,8 +105,9 @@ def solve(probs: np.ndarray, cost: np.ndarray, union: np.ndarray | None = None) 
     return solve_many(probs, cost, [probs.shape[1] - 1], union)[0]
 
 
-def solve_many(probs: np.ndarray, cost: np.ndarray, lmaxes: list[int],
-               union: np.ndarray | None = None) -> list[OracleSolution]:  # fmt: skip
+def solve_many(
+    probs: np.ndarray, cost: np.ndarray, lmaxes: list[int], union: np.ndarray | None = None
+) -> list[OracleSolution]:
     """``solve`` with budgets capped at each of ``lmaxes`` in one backward pass over the
     states (the tables of a larger Lmax hold every cell of a smaller one)."""
     n, kk, _ = probs.shape
@@ -129,8 +130,10 @@ def solve_many(probs: np.ndarray, cost: np.ndarray, lmaxes: list[int],
         k_star[:, i] = np.argmin(qi, axis=1)
         dp[:, i] = qi[np.arange(b), k_star[:, i]]
     visit = visitation(probs, k_star)
-    return [OracleSolution(dp[j], q[j], k_star[j], e_accept, e_cost, e_experts, visit[j])
-            for j in range(b)]  # fmt: skip
+    return [
+        OracleSolution(dp[j], q[j], k_star[j], e_accept, e_cost, e_experts, visit[j])
+        for j in range(b)
+    ]
 
 
 def visitation(probs: np.ndarray, k_policy: np.ndarray) -> np.ndarray:

@@ -51,9 +51,14 @@ def _routing(rng: np.random.Generator, rows: int, layers: int, experts: int, top
 
 
 def synthetic_sequences(
-    rng: np.random.Generator, sequences: int, tokens: int, lmax: int, layers: int,
-    experts: int, top_k: int,
-) -> list[SyntheticSequence]:  # fmt: skip
+    rng: np.random.Generator,
+    sequences: int,
+    tokens: int,
+    lmax: int,
+    layers: int,
+    experts: int,
+    top_k: int,
+) -> list[SyntheticSequence]:
     """Random routing and acceptance, with every cell (s, r) an extraction at ``lmax`` has."""
     n = tokens
     out = []
@@ -69,47 +74,72 @@ def synthetic_sequences(
 
 
 def bench_oracle(
-    sequences: int, tokens: int, lmax: int, layers: int = 6, experts: int = 32, top_k: int = 4,
+    sequences: int,
+    tokens: int,
+    lmax: int,
+    layers: int = 6,
+    experts: int = 32,
+    top_k: int = 4,
     seed: int = 0,
-) -> OracleBenchResult:  # fmt: skip
+) -> OracleBenchResult:
     """Time U(i, k, a) for every cell of every tail set, then the DP sweep with visitation and
     cross-fitting, over ``sequences`` synthetic sequences of ``tokens`` tokens, here."""
     rng = np.random.default_rng(seed)
     # A made-up but well-formed cost model: the DP's work does not depend on the prices.
-    model = CostModel({m: 5 + 0.2 * m for m in range(1, lmax + 2)},
-                      {m: 0.3 for m in range(1, lmax + 2)}, 0.001, 0.5, 0.1)  # fmt: skip
+    model = CostModel(
+        {m: 5 + 0.2 * m for m in range(1, lmax + 2)},
+        {m: 0.3 for m in range(1, lmax + 2)},
+        0.001,
+        0.5,
+        0.1,
+    )
     data = synthetic_sequences(rng, sequences, tokens, lmax, layers, experts, top_k)
     t0 = time.perf_counter()
     unions = []
     for d in data:
         token_masks = bitmasks(d.tokens, experts)
-        unions.append({key: union_table_shared(token_masks, bitmasks(t, experts), d.start,
-                                               d.offset, lmax)
-                       for key, t in zip(TAIL_SETS, d.tails, strict=True)})  # fmt: skip
+        unions.append(
+            {
+                key: union_table_shared(token_masks, bitmasks(t, experts), d.start, d.offset, lmax)
+                for key, t in zip(TAIL_SETS, d.tails, strict=True)
+            }
+        )
     t_union = time.perf_counter() - t0
     lmaxes = list(range(1, lmax + 1))
     t0 = time.perf_counter()
     for j, (d, u) in enumerate(zip(data, unions, strict=True)):
-        seq = SequenceInput(f"s{j}", "synthetic", 100, d.p_tok, (d.p_tok > 0.5).astype(float),
-                            d.pi_tok, np.arange(tokens + 1), mean_popcount(bitmasks(d.tokens,
-                            experts)), d.tokens, u)  # fmt: skip
+        seq = SequenceInput(
+            f"s{j}",
+            "synthetic",
+            100,
+            d.p_tok,
+            (d.p_tok > 0.5).astype(float),
+            d.pi_tok,
+            np.arange(tokens + 1),
+            mean_popcount(bitmasks(d.tokens, experts)),
+            d.tokens,
+            u,
+        )
         solve_sequence(seq, model, lmaxes, lmax)
     t_dp = time.perf_counter() - t0
     tail_tokens = sum(len(d.start) * len(TAIL_SETS) for d in data)
-    return OracleBenchResult(sequences, tokens, lmax, tail_tokens, t_union, t_dp,
-                             len(lmaxes) * 3 * 2)  # fmt: skip
+    return OracleBenchResult(
+        sequences, tokens, lmax, tail_tokens, t_union, t_dp, len(lmaxes) * 3 * 2
+    )
 
 
 def format_oracle_bench(result: OracleBenchResult) -> str:
     r = result
-    return "\n".join([
-        f"{r.sequences} sequences x {r.tokens} tokens, Lmax {r.lmax}: {r.states:,} states, "
-        f"{r.tail_tokens:,} tail tokens",
-        f"U(i,k,a) for every cell of {len(TAIL_SETS)} tail sets: {r.seconds_union:.2f}s "
-        f"({r.seconds_union / r.sequences * 1e3:.1f} ms/seq)",
-        f"DP + visitation + cross-fitting, {r.solves} configurations (Lmax 1..{r.lmax} x 3 "
-        f"acceptances x plain step on/off): {r.seconds_dp:.2f}s "
-        f"({r.seconds_dp / r.sequences * 1e3:.1f} ms/seq)",
-        f"total {r.seconds_union + r.seconds_dp:.2f}s in one process (Ray tasks split it over "
-        "cores)",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"{r.sequences} sequences x {r.tokens} tokens, Lmax {r.lmax}: {r.states:,} states, "
+            f"{r.tail_tokens:,} tail tokens",
+            f"U(i,k,a) for every cell of {len(TAIL_SETS)} tail sets: {r.seconds_union:.2f}s "
+            f"({r.seconds_union / r.sequences * 1e3:.1f} ms/seq)",
+            f"DP + visitation + cross-fitting, {r.solves} configurations (Lmax 1..{r.lmax} x 3 "
+            f"acceptances x plain step on/off): {r.seconds_dp:.2f}s "
+            f"({r.seconds_dp / r.sequences * 1e3:.1f} ms/seq)",
+            f"total {r.seconds_union + r.seconds_dp:.2f}s in one process (Ray tasks split it over "
+            "cores)",
+        ]
+    )

@@ -100,21 +100,32 @@ def class_table(states: pd.DataFrame, reps: int = 1000, seed: int = 0) -> pd.Dat
     rows = []
     for label in CLASSES:
         sub = states[states["label"] == label].assign(
-            k0=lambda d: d["k_star"] == 0, k1=lambda d: d["k_star"] == 1,
+            k0=lambda d: d["k_star"] == 0,
+            k1=lambda d: d["k_star"] == 1,
             k4=lambda d: d["k_star"] >= 4,
-        )  # fmt: skip
+        )
         if sub.empty:
             continue
         k0 = _bootstrap_share(sub, "k0", reps, rng)
         k1 = _bootstrap_share(sub, "k1", reps, rng)
         k4 = _bootstrap_share(sub, "k4", reps, rng)
-        rows.append({
-            "class": label, "states": len(sub), "sequences": sub["seq_id"].nunique(),
-            "share_k0": k0[0], "k0_lo": k0[1], "k0_hi": k0[2],
-            "share_k1": k1[0], "k1_lo": k1[1], "k1_hi": k1[2],
-            "share_k4": k4[0], "k4_lo": k4[1], "k4_hi": k4[2],
-            "mean_k_star": float(sub["k_star"].mean()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "class": label,
+                "states": len(sub),
+                "sequences": sub["seq_id"].nunique(),
+                "share_k0": k0[0],
+                "k0_lo": k0[1],
+                "k0_hi": k0[2],
+                "share_k1": k1[0],
+                "k1_lo": k1[1],
+                "k1_hi": k1[2],
+                "share_k4": k4[0],
+                "k4_lo": k4[1],
+                "k4_hi": k4[2],
+                "mean_k_star": float(sub["k_star"].mean()),
+            }
+        )
     return pd.DataFrame(rows)
 
 

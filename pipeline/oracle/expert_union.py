@@ -42,9 +42,12 @@ def reference_unions(token_masks: np.ndarray, lmax: int) -> np.ndarray:
 
 
 def union_table_shared(
-    token_masks: np.ndarray, tail_masks: np.ndarray, tail_s: np.ndarray, tail_r: np.ndarray,
+    token_masks: np.ndarray,
+    tail_masks: np.ndarray,
+    tail_s: np.ndarray,
+    tail_r: np.ndarray,
     lmax: int,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """U for every cell from shared tails: ``[N, lmax + 1, lmax + 1]`` indexed ``[i, k, a]``,
     k = 0..lmax (k = 0: the plain step, U(i, 0, 0) = mean_l |E_l(i)|), NaN where the cell does
     not exist (k > N - i or a > k).
@@ -66,9 +69,13 @@ def union_table_shared(
 
 
 def union_table_paper(
-    token_masks: np.ndarray, tail_masks: np.ndarray, tail_i: np.ndarray, tail_k: np.ndarray,
-    tail_a: np.ndarray, lmax: int,
-) -> np.ndarray:  # fmt: skip
+    token_masks: np.ndarray,
+    tail_masks: np.ndarray,
+    tail_i: np.ndarray,
+    tail_k: np.ndarray,
+    tail_a: np.ndarray,
+    lmax: int,
+) -> np.ndarray:
     """U for every cell from independent (paper-mode) tails, one tail per cell with a < k;
     shaped and indexed as union_table_shared's."""
     n = token_masks.shape[0] - 1

@@ -54,15 +54,20 @@ class OracleConfig:
 DEFAULT_CONFIG = OracleConfig()  # surrogate acceptance (the marginal rule's units), k = 0 on
 
 
-def crossfit_value(probs: np.ndarray, costs: list[np.ndarray],
-                   solutions: list[OracleSolution]) -> float | None:  # fmt: skip
+def crossfit_value(
+    probs: np.ndarray, costs: list[np.ndarray], solutions: list[OracleSolution]
+) -> float | None:
     """Mean over ordered pairs of distinct draws (d, e) of k* chosen on d priced on e; None
     with one draw. With two draws it is never below the in-sample mean: each draw's optimum is
     the best schedule on its own draw."""
     if len(costs) < 2:
         return None
-    values = [evaluate_policy(probs, costs[e], solutions[d].k_star)[0]
-              for d in range(len(costs)) for e in range(len(costs)) if d != e]  # fmt: skip
+    values = [
+        evaluate_policy(probs, costs[e], solutions[d].k_star)[0]
+        for d in range(len(costs))
+        for e in range(len(costs))
+        if d != e
+    ]
     return float(np.mean(values))
 
 
@@ -76,8 +81,10 @@ def solve_sequence(
     """Summary rows for every (Lmax, acceptance with tails, plain step on/off), decision rows
     and the alpha = 0 ablation for ``config`` at ``decisions_lmax`` (its draw 0)."""
     if config.acceptance not in seq.acceptances():
-        raise ValueError(f"{seq.seq_id}: no {config.acceptance} tails to price the selected "
-                         f"configuration (have {', '.join(seq.acceptances())})")  # fmt: skip
+        raise ValueError(
+            f"{seq.seq_id}: no {config.acceptance} tails to price the selected "
+            f"configuration (have {', '.join(seq.acceptances())})"
+        )
     ar = ar_cost(model, seq.token_experts, seq.prompt_len)
     top = max(lmaxes)
     cut = lambda x: x[:, : top + 1, : top + 1]  # noqa: E731
@@ -104,8 +111,13 @@ def solve_sequence(
             at = lambda x: x[:, : decisions_lmax + 1, : decisions_lmax + 1]  # noqa: E731
             probs_l, cost_l, union_l = at(probs), at(costs[0]), at(unions[0])
             sol = replace(sol, e_experts=(probs_l * np.nan_to_num(union_l)).sum(axis=2))
-            sol = replace(sol, **{f: getattr(sol, f)[:, : decisions_lmax + 1]
-                                  for f in ("q", "e_accept", "e_cost", "e_experts")})  # fmt: skip
+            sol = replace(
+                sol,
+                **{
+                    f: getattr(sol, f)[:, : decisions_lmax + 1]
+                    for f in ("q", "e_accept", "e_cost", "e_experts")
+                },
+            )
             decisions = _decision_rows(seq, decisions_lmax, sol, acc, plain)
             blind = cost_table(model, union_l, seq.prompt_len, alpha_scale=0.0)
             ablated = solve(probs_l, blind)
@@ -120,24 +132,39 @@ def solve_sequence(
                 "speedup_alpha0_policy": ar / float(blind_value[0]),
                 "speedup_alpha0_model": ar / float(ablated.dp[0]),
             }
-    return {"summary": summary, "decisions": decisions, "ablation": ablation,
-            "input": seq.without_unions()}  # fmt: skip
+    return {
+        "summary": summary,
+        "decisions": decisions,
+        "ablation": ablation,
+        "input": seq.without_unions(),
+    }
 
 
-def _crossfit_per_lmax(probs: np.ndarray, costs: list[np.ndarray],
-                       sols: list[list[OracleSolution]]) -> list[float] | None:  # fmt: skip
+def _crossfit_per_lmax(
+    probs: np.ndarray, costs: list[np.ndarray], sols: list[list[OracleSolution]]
+) -> list[float] | None:
     """Per Lmax, the mean over ordered pairs of distinct draws (d, e) of draw d's k* priced on
     draw e (every Lmax's schedule priced in one pass); None with one draw."""
     pairs = [(d, e) for d in range(len(costs)) for e in range(len(costs)) if d != e]
     if not pairs:
         return None
-    values = [evaluate_policy(probs, costs[e], np.stack([s.k_star for s in sols[d]]))[:, 0]
-              for d, e in pairs]  # fmt: skip
+    values = [
+        evaluate_policy(probs, costs[e], np.stack([s.k_star for s in sols[d]]))[:, 0]
+        for d, e in pairs
+    ]
     return [float(v) for v in np.mean(values, axis=0)]
 
 
-def _summary_row(seq: SequenceInput, lmax: int, acc: str, plain: bool, ar: float, dp0: float,
-                 cross: float | None, sols: list[OracleSolution]) -> dict[str, Any]:  # fmt: skip
+def _summary_row(
+    seq: SequenceInput,
+    lmax: int,
+    acc: str,
+    plain: bool,
+    ar: float,
+    dp0: float,
+    cross: float | None,
+    sols: list[OracleSolution],
+) -> dict[str, Any]:
     """In-sample columns average each draw's own optimum; statistics of the visitation too."""
     mean = lambda f: float(np.mean([f(s) for s in sols]))  # noqa: E731
     n = seq.n
@@ -165,8 +192,9 @@ def _summary_row(seq: SequenceInput, lmax: int, acc: str, plain: bool, ar: float
     }
 
 
-def _decision_rows(seq: SequenceInput, lmax: int, sol: OracleSolution, acceptance: str,
-                   plain_step: bool) -> pa.Table:  # fmt: skip
+def _decision_rows(
+    seq: SequenceInput, lmax: int, sol: OracleSolution, acceptance: str, plain_step: bool
+) -> pa.Table:
     n, kk = sol.q.shape
     i = np.repeat(np.arange(n), kk)
     k = np.tile(np.arange(kk), n)
@@ -191,9 +219,14 @@ def _decision_rows(seq: SequenceInput, lmax: int, sol: OracleSolution, acceptanc
     )
 
 
-def _solve_one(part: SequenceRows | SequenceInput, spec: MoESpec | None, model: CostModel,
-               lmaxes: list[int], decisions_lmax: int,
-               config: OracleConfig) -> dict[str, Any]:  # fmt: skip
+def _solve_one(
+    part: SequenceRows | SequenceInput,
+    spec: MoESpec | None,
+    model: CostModel,
+    lmaxes: list[int],
+    decisions_lmax: int,
+    config: OracleConfig,
+) -> dict[str, Any]:
     seq = part if isinstance(part, SequenceInput) else build_input(part, spec, max(lmaxes))
     return solve_sequence(seq, model, lmaxes, decisions_lmax, config)
 
@@ -225,8 +258,10 @@ def solve_all(
     if not ray.is_initialized():
         return [_solve_one(p, spec, model, lmaxes, decisions_lmax, config) for p in parts]
     chunks = [parts[j::batches] for j in range(batches) if parts[j::batches]]
-    refs = [_solve_batch.remote(c, spec, model.to_json(), lmaxes, decisions_lmax, config)
-            for c in chunks]  # fmt: skip
+    refs = [
+        _solve_batch.remote(c, spec, model.to_json(), lmaxes, decisions_lmax, config)
+        for c in chunks
+    ]
     results: list[Any] = [None] * len(parts)
     for j, res in enumerate(ray.get(refs)):  # chunk j holds parts j, j + batches, ...
         results[j::batches] = res

@@ -125,10 +125,15 @@ def build_input(
     wanted = list(have) if acceptances is None else acceptances
     missing = [a for a in wanted if a not in have]
     if missing:
-        raise ValueError(f"{rows.row['seq_id']}: the extraction has no {', '.join(missing)} "
-                         f"tails (it has {', '.join(have) or 'none'})")  # fmt: skip
-    unions = {(acc, d): sequence_union_table(tokens, tails, spec, lmax, acc, d)
-              for acc in wanted for d in have[acc]}  # fmt: skip
+        raise ValueError(
+            f"{rows.row['seq_id']}: the extraction has no {', '.join(missing)} "
+            f"tails (it has {', '.join(have) or 'none'})"
+        )
+    unions = {
+        (acc, d): sequence_union_table(tokens, tails, spec, lmax, acc, d)
+        for acc in wanted
+        for d in have[acc]
+    }
     routing = experts_to_numpy(tokens.column("experts"), spec.num_moe_layers, spec.top_k)
     return SequenceInput(
         seq_id=rows.row["seq_id"],
@@ -145,18 +150,24 @@ def build_input(
 
 
 def inputs_from_tables(
-    sequences: pa.Table, tokens: pa.Table, tails: pa.Table, spec: MoESpec, lmax: int,
+    sequences: pa.Table,
+    tokens: pa.Table,
+    tails: pa.Table,
+    spec: MoESpec,
+    lmax: int,
     acceptances: list[str] | None = None,
-) -> list[SequenceInput]:  # fmt: skip
+) -> list[SequenceInput]:
     """Every sequence's input, built here (small tables; jobs build them in workers)."""
-    return [build_input(r, spec, lmax, acceptances) for r in split_tables(sequences, tokens,
-                                                                           tails)]  # fmt: skip
+    return [build_input(r, spec, lmax, acceptances) for r in split_tables(sequences, tokens, tails)]
 
 
 def load_rows(extract_dir: Path) -> list[SequenceRows]:
     """Per-sequence rows of an extraction directory."""
-    return split_tables(read_table(extract_dir, "sequences"), read_table(extract_dir, "tokens"),
-                        read_table(extract_dir, "tails"))  # fmt: skip
+    return split_tables(
+        read_table(extract_dir, "sequences"),
+        read_table(extract_dir, "tokens"),
+        read_table(extract_dir, "tails"),
+    )
 
 
 def extraction_manifest(extract_dir: Path) -> dict[str, Any]:

@@ -36,8 +36,14 @@ def plot_lmax_sweep(sweep: pd.DataFrame, path: Path) -> Path:
 def plot_delta_space(deltas: pd.DataFrame, lam: float, path: Path, max_points: int = 20000) -> Path:
     sample = deltas.sample(min(len(deltas), max_points), random_state=0) if len(deltas) else deltas
     fig, ax = plt.subplots(figsize=(5, 4))
-    sc = ax.scatter(sample["d_accept"], sample["d_cost_ms"], s=3, alpha=0.4,
-                    c=sample["k"] - sample["k_star"], cmap="coolwarm")  # fmt: skip
+    sc = ax.scatter(
+        sample["d_accept"],
+        sample["d_cost_ms"],
+        s=3,
+        alpha=0.4,
+        c=sample["k"] - sample["k_star"],
+        cmap="coolwarm",
+    )
     if len(sample) and np.isfinite(lam):
         xs = np.linspace(0, max(sample["d_accept"].max(), 1e-6), 20)
         ax.plot(xs, lam * xs, color="black", linewidth=1, label=f"lambda = {lam:.3f} ms/token")

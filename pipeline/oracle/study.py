@@ -73,10 +73,17 @@ def _ablation(results: list[dict], inputs: list[SequenceInput], decode, top: int
     for weight, seq, i, k_full, k_blind in cases[:top]:
         before = seq.token_ids[max(0, i - 12) : i + 1].tolist()
         after = seq.token_ids[i + 1 : i + 1 + max(k_full, k_blind)].tolist()
-        strongest.append({
-            "seq_id": seq.seq_id, "i": i, "k_star": k_full, "k_star_alpha0": k_blind,
-            "weight": weight, "context": decode(before), "next_tokens": decode(after),
-        })  # fmt: skip
+        strongest.append(
+            {
+                "seq_id": seq.seq_id,
+                "i": i,
+                "k_star": k_full,
+                "k_star_alpha0": k_blind,
+                "weight": weight,
+                "context": decode(before),
+                "next_tokens": decode(after),
+            }
+        )
     return {
         "states": total,
         "states_changed": changed,
@@ -104,12 +111,16 @@ def run_study(
         raise ValueError(f"no sequences with tokens under {extract_dir}")
     have = tail_draws(parts[0].tails)
     if config.acceptance not in have:
-        raise ValueError(f"{extract_dir} has no {config.acceptance} junk tails (it has "
-                         f"{', '.join(have) or 'none'}): choose another --acceptance or "
-                         "re-extract")  # fmt: skip
-    log(f"[oracle] {len(parts)} sequences, {sum(p.tokens.num_rows - 1 for p in parts):,} "
+        raise ValueError(
+            f"{extract_dir} has no {config.acceptance} junk tails (it has "
+            f"{', '.join(have) or 'none'}): choose another --acceptance or "
+            "re-extract"
+        )
+    log(
+        f"[oracle] {len(parts)} sequences, {sum(p.tokens.num_rows - 1 for p in parts):,} "
         f"states, Lmax sweep {lmaxes[0]}..{lmaxes[-1]}; decisions for {config.acceptance} "
-        f"acceptance, {'with' if config.plain_step else 'without'} the plain step")  # fmt: skip
+        f"acceptance, {'with' if config.plain_step else 'without'} the plain step"
+    )
     results = solve_all(parts, model, lmaxes, decisions_lmax, config, spec)
     inputs = [r["input"] for r in results]
     out.mkdir(parents=True, exist_ok=True)
@@ -142,11 +153,17 @@ def run_study(
     paths["ablation"].write_text(json.dumps(ablation, indent=2) + "\n")
     states = pd.concat(
         [
-            sequence_states(seq.seq_id, seq.token_ids, res["ablation"]["k_star"],
-                            seq.draft_match, seq.routing, lambda t: decode([t]))
+            sequence_states(
+                seq.seq_id,
+                seq.token_ids,
+                res["ablation"]["k_star"],
+                seq.draft_match,
+                seq.routing,
+                lambda t: decode([t]),
+            )
             for seq, res in zip(inputs, results, strict=True)
         ]
-    )  # fmt: skip
+    )
     context = class_table(states)
     novelty = expert_novelty(states)
     paths["context"] = out / "context_classes.csv"
@@ -181,8 +198,11 @@ def bound_table(sweep: pd.DataFrame) -> str:
     for lmax in sorted(overall["lmax"].unique()):
         cells = [str(int(lmax))]
         for acc, plain in cols:
-            hit = overall[(overall["lmax"] == lmax) & (overall["acceptance"] == acc)
-                          & (overall["plain_step"] == plain)]  # fmt: skip
+            hit = overall[
+                (overall["lmax"] == lmax)
+                & (overall["acceptance"] == acc)
+                & (overall["plain_step"] == plain)
+            ]
             cells.append(_cell(hit.iloc[0], acc) if len(hit) else "")
         rows.append(cells)
     widths = [max(len(r[j]) for r in [header, *rows]) for j in range(len(header))]
@@ -203,11 +223,20 @@ def format_study(result: StudyResult) -> str:
     ]
     c = result.config
     sel = result.selected()
-    lines += [f"selected configuration: {c.acceptance} acceptance, "
-              f"k>={0 if c.plain_step else 1} (decisions, delta space, lambda, ablation):",
-              sel[["lmax", "sequences", "speedup_bound", "speedup_crossfit", "mean_draft_len",
-                   "mean_accepted"]].to_string(index=False, float_format="{:.3f}".format,
-                                               na_rep="-")]  # fmt: skip
+    lines += [
+        f"selected configuration: {c.acceptance} acceptance, "
+        f"k>={0 if c.plain_step else 1} (decisions, delta space, lambda, ablation):",
+        sel[
+            [
+                "lmax",
+                "sequences",
+                "speedup_bound",
+                "speedup_crossfit",
+                "mean_draft_len",
+                "mean_accepted",
+            ]
+        ].to_string(index=False, float_format="{:.3f}".format, na_rep="-"),
+    ]
     cats = result.selected(category=None)
     cats = cats[cats["category"] != "all"]
     if cats["category"].nunique() > 1:
@@ -239,11 +268,21 @@ def format_study(result: StudyResult) -> str:
         f"{ab['mean_speedup_alpha0_believed']:.3f}x)",
     ]
     if not result.context.empty:
-        cols = ["class", "states", "share_k0", "share_k1", "k1_lo", "k1_hi", "share_k4", "k4_lo",
-                "k4_hi"]  # fmt: skip
+        cols = [
+            "class",
+            "states",
+            "share_k0",
+            "share_k1",
+            "k1_lo",
+            "k1_hi",
+            "share_k4",
+            "k4_lo",
+            "k4_hi",
+        ]
         table = result.context[cols].to_string(index=False, float_format="{:.3f}".format)
-        title = ("context classes (share of k* = 0, k* = 1 and k* >= 4, 95% bootstrap over "
-                 "sequences):")  # fmt: skip
+        title = (
+            "context classes (share of k* = 0, k* = 1 and k* >= 4, 95% bootstrap over sequences):"
+        )
         lines += ["", title, table]
         nv = result.novelty
         lines.append(
@@ -252,7 +291,9 @@ def format_study(result: StudyResult) -> str:
             f"first mismatches ({nv['first_mismatch_states']}), {nv['new_experts_all']:.2f} overall"
         )
     for case in ab["strongest_cases"][:3]:
-        lines.append(f"  {case['seq_id']} i={case['i']}: k*={case['k_star']} vs "
-                     f"{case['k_star_alpha0']} blind | ...{case['context'][-40:]!r} -> "
-                     f"{case['next_tokens'][:30]!r}")  # fmt: skip
+        lines.append(
+            f"  {case['seq_id']} i={case['i']}: k*={case['k_star']} vs "
+            f"{case['k_star_alpha0']} blind | ...{case['context'][-40:]!r} -> "
+            f"{case['next_tokens'][:30]!r}"
+        )
     return "\n".join(lines)

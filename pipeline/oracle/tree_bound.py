@@ -59,24 +59,34 @@ class TreeInput:
         return self.accepted.shape[1] - 1
 
 
-def tree_input(seq_id: str, prompt_len: int, routing: np.ndarray, trees: pa.Table,
-               rule: TreeRule, k_max: int, spec: MoESpec) -> TreeInput:  # fmt: skip
+def tree_input(
+    seq_id: str,
+    prompt_len: int,
+    routing: np.ndarray,
+    trees: pa.Table,
+    rule: TreeRule,
+    k_max: int,
+    spec: MoESpec,
+) -> TreeInput:
     """From one sequence's ``tokens`` routing (``[N + 1, layers, top_k]``, x_0..x_N) and its
     ``trees`` rows (any rules: those of ``rule`` are used)."""
-    rows = trees.filter(pc.and_(pc.equal(trees.column("seq_id"), seq_id),
-                                pc.equal(trees.column("rule"), rule.name)))  # fmt: skip
+    rows = trees.filter(
+        pc.and_(pc.equal(trees.column("seq_id"), seq_id), pc.equal(trees.column("rule"), rule.name))
+    )
     rows = rows.filter(pc.less_equal(rows.column("j"), k_max))
     n = len(routing) - 1
     i = rows.column("i").to_numpy().astype(np.int64)
     j = rows.column("j").to_numpy().astype(np.int64)
     if rows.num_rows == 0 or i.max() >= n:
-        raise ValueError(f"{seq_id}: no trees of rule {rule.name} for its {n} states "
-                         "(extract with --trees)")  # fmt: skip
+        raise ValueError(
+            f"{seq_id}: no trees of rule {rule.name} for its {n} states (extract with --trees)"
+        )
     token_masks = bitmasks(routing, spec.num_experts)
     node_masks = np.zeros((n, k_max + 1, *token_masks.shape[1:]), dtype=np.uint64)
     node_masks[:, 0] = token_masks[:n]  # the root x_i
-    node_masks[i, j] = bitmasks(experts_to_numpy(rows.column("experts"), spec.num_moe_layers,
-                                                 spec.top_k), spec.num_experts)  # fmt: skip
+    node_masks[i, j] = bitmasks(
+        experts_to_numpy(rows.column("experts"), spec.num_moe_layers, spec.top_k), spec.num_experts
+    )
     union = mean_popcount(np.bitwise_or.accumulate(node_masks, axis=1))
     on_path = np.zeros((n, k_max + 1), dtype=np.int64)
     on_path[i, j] = rows.column("on_path").to_numpy(zero_copy_only=False)
@@ -104,8 +114,10 @@ def tree_tables(model: CostModel, tin: TreeInput) -> tuple[np.ndarray, np.ndarra
     probs[ii, ks, tin.accepted[ii, ks]] = 1.0
     missing = model.missing_m(np.unique(tin.verified).tolist())
     if missing:
-        raise ValueError(f"the tree bound at budget {kk} (rule {tin.rule.name}) needs "
-                         + model.missing_m_message(missing))  # fmt: skip
+        raise ValueError(
+            f"the tree bound at budget {kk} (rule {tin.rule.name}) needs "
+            + model.missing_m_message(missing)
+        )
     beta0 = np.vectorize(model.beta0.__getitem__)(tin.verified)
     alpha = np.vectorize(model.alpha.__getitem__)(tin.verified)
     draft = np.where(tin.forwards > 0, model.draft_a * tin.forwards + model.draft_b, 0.0)

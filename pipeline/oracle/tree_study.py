@@ -61,8 +61,13 @@ def chain_tables(seq: SequenceInput, model: CostModel, lmax: int) -> tuple[np.nd
     return probs, cost_table(model, union, seq.prompt_len), union
 
 
-def sequence_rows(seq: SequenceInput, trees: list[TreeInput], model: CostModel,
-                  budgets: list[int], chain_lmax: int) -> list[dict]:  # fmt: skip
+def sequence_rows(
+    seq: SequenceInput,
+    trees: list[TreeInput],
+    model: CostModel,
+    budgets: list[int],
+    chain_lmax: int,
+) -> list[dict]:
     """Long-form rows (budget, bound, ms figures) for one sequence."""
     ar = ar_cost(model, seq.token_experts, seq.prompt_len)
     rows = []
@@ -72,24 +77,45 @@ def sequence_rows(seq: SequenceInput, trees: list[TreeInput], model: CostModel,
         ks = list(range(1, max(chain_caps) + 1))
         fixed = dict(zip(ks, fixed_budgets_ms(probs, cost, ks), strict=True))
         for k, sol in zip(chain_caps, solve_many(probs, cost, chain_caps, union), strict=True):
-            rows.append({"budget": k, "bound": CHAIN, "ar_ms": ar, **_stats(sol).__dict__,
-                         **{f"fixed_{j}": fixed[j] for j in range(1, k + 1)}})  # fmt: skip
+            rows.append(
+                {
+                    "budget": k,
+                    "bound": CHAIN,
+                    "ar_ms": ar,
+                    **_stats(sol).__dict__,
+                    **{f"fixed_{j}": fixed[j] for j in range(1, k + 1)},
+                }
+            )
     for tin in trees:
         caps = [k for k in budgets if k <= tin.k_max]
         tables = tree_tables(model, tin)
         ks = list(range(1, max(caps) + 1))
         fixed = dict(zip(ks, fixed_budgets_ms(*tables, ks), strict=True))
         for k, sol in zip(caps, solve_tree(model, tin, caps, tables), strict=True):
-            rows.append({"budget": k, "bound": tin.rule.name, "ar_ms": ar, **_stats(sol).__dict__,
-                         **{f"fixed_{j}": fixed[j] for j in range(1, k + 1)}})  # fmt: skip
+            rows.append(
+                {
+                    "budget": k,
+                    "bound": tin.rule.name,
+                    "ar_ms": ar,
+                    **_stats(sol).__dict__,
+                    **{f"fixed_{j}": fixed[j] for j in range(1, k + 1)},
+                }
+            )
         if not chain_caps:
             continue
         both = [(probs, cost), tables]
         for k in [c for c in caps if c in chain_caps]:
             dp0, path = solve_either(both, k)
-            rows.append({"budget": k, "bound": f"{CHAIN}-or-{tin.rule.name}", "ar_ms": ar,
-                         "dp0_ms": dp0, "mean_gamma": float(np.mean([g for g, _ in path])),
-                         "mean_accepted": float(np.mean([a for _, a in path]))})  # fmt: skip
+            rows.append(
+                {
+                    "budget": k,
+                    "bound": f"{CHAIN}-or-{tin.rule.name}",
+                    "ar_ms": ar,
+                    "dp0_ms": dp0,
+                    "mean_gamma": float(np.mean([g for g, _ in path])),
+                    "mean_accepted": float(np.mean([a for _, a in path])),
+                }
+            )
     return rows
 
 
@@ -99,17 +125,25 @@ def pool(rows: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     out = []
     for (budget, bound), g in df.groupby(["budget", "bound"], sort=False):
-        fixed = {int(c.split("_")[1]): g["ar_ms"].sum() / g[c].sum()
-                 for c in g.columns if c.startswith("fixed_") and g[c].notna().all()}  # fmt: skip
+        fixed = {
+            int(c.split("_")[1]): g["ar_ms"].sum() / g[c].sum()
+            for c in g.columns
+            if c.startswith("fixed_") and g[c].notna().all()
+        }
         best = max(fixed, key=fixed.get) if fixed else None
         w = g["ar_ms"] / g["ar_ms"].sum()
-        out.append({"budget": int(budget), "bound": bound,
-                    "speedup": g["ar_ms"].sum() / g["dp0_ms"].sum(),
-                    "best_fixed_speedup": fixed[best] if fixed else np.nan,
-                    "best_fixed_gamma": best + 1 if fixed else np.nan,
-                    "mean_gamma": float((w * g["mean_gamma"]).sum()),
-                    "mean_accepted": float((w * g["mean_accepted"]).sum()),
-                    "sequences": len(g)})  # fmt: skip
+        out.append(
+            {
+                "budget": int(budget),
+                "bound": bound,
+                "speedup": g["ar_ms"].sum() / g["dp0_ms"].sum(),
+                "best_fixed_speedup": fixed[best] if fixed else np.nan,
+                "best_fixed_gamma": best + 1 if fixed else np.nan,
+                "mean_gamma": float((w * g["mean_gamma"]).sum()),
+                "mean_accepted": float((w * g["mean_accepted"]).sum()),
+                "sequences": len(g),
+            }
+        )
     out.sort(key=lambda r: (r["budget"], _kind(r["bound"]), r["bound"]))
     return pd.DataFrame(out)
 
@@ -119,8 +153,9 @@ def _kind(bound: str) -> int:
     return 0 if bound == CHAIN else 2 if bound.startswith(f"{CHAIN}-or-") else 1
 
 
-def study_from_extraction(extract_dir: Path, model: CostModel, spec: MoESpec,
-                          budgets: list[int] | None = None) -> pd.DataFrame:  # fmt: skip
+def study_from_extraction(
+    extract_dir: Path, model: CostModel, spec: MoESpec, budgets: list[int] | None = None
+) -> pd.DataFrame:
     """The per-budget table of an extraction made with --trees (and greedy tails)."""
     manifest = extraction_manifest(extract_dir)
     rules = [TreeRule.parse(r) for r in manifest.get("trees") or []]
@@ -135,8 +170,10 @@ def study_from_extraction(extract_dir: Path, model: CostModel, spec: MoESpec,
     rows = []
     for part in load_rows(extract_dir):
         seq = build_input(part, spec, lmax, ["greedy"])
-        tins = [tree_input(seq.seq_id, seq.prompt_len, seq.routing, trees, r, k_max, spec)
-                for r in rules]  # fmt: skip
+        tins = [
+            tree_input(seq.seq_id, seq.prompt_len, seq.routing, trees, r, k_max, spec)
+            for r in rules
+        ]
         rows += sequence_rows(seq, tins, model, budgets, lmax)
     return pool(rows)
 
@@ -145,8 +182,11 @@ def format_tree_study(df: pd.DataFrame) -> str:
     """One line per budget: each bound's S, then its best fixed gamma's S."""
     bounds = list(dict.fromkeys(df["bound"]))
     head = f"{'K (gamma <= K+1)':>16} " + " ".join(f"{b:>22}" for b in bounds)
-    lines = ["tree bound beside the chain bound (T = 0, greedy acceptance): S = AR / optimal "
-             "cost;", "  in brackets the best fixed budget's S @ its gamma", head]  # fmt: skip
+    lines = [
+        "tree bound beside the chain bound (T = 0, greedy acceptance): S = AR / optimal cost;",
+        "  in brackets the best fixed budget's S @ its gamma",
+        head,
+    ]
     for budget, g in df.groupby("budget"):
         cells = []
         for b in bounds:
@@ -158,7 +198,9 @@ def format_tree_study(df: pd.DataFrame) -> str:
             if r["best_fixed_speedup"] != r["best_fixed_speedup"]:  # either-or: no fixed rule
                 cells.append(f"  {r['speedup']:>7.3f}".ljust(22))
                 continue
-            cells.append(f"{r['speedup']:>7.3f} [{r['best_fixed_speedup']:.3f} @ "
-                         f"{int(r['best_fixed_gamma']):>2}]".rjust(22))  # fmt: skip
+            cells.append(
+                f"{r['speedup']:>7.3f} [{r['best_fixed_speedup']:.3f} @ "
+                f"{int(r['best_fixed_gamma']):>2}]".rjust(22)
+            )
         lines.append((f"{budget:>16} " + " ".join(cells)).rstrip())
     return "\n".join(lines)

@@ -41,12 +41,16 @@ def sequence_union_table(
                 raise ValueError(f"tails hold acceptances {present}: name the one to price")
             acceptance = present[0] if present else None
         if acceptance is not None:
-            keep = pc.and_(pc.equal(tails.column("acceptance"), acceptance),
-                           pc.equal(tails.column("draw"), draw))  # fmt: skip
+            keep = pc.and_(
+                pc.equal(tails.column("acceptance"), acceptance),
+                pc.equal(tails.column("draw"), draw),
+            )
             tails = tails.filter(keep)
     elif acceptance not in (None, "surrogate") or draw != 0:
-        raise ValueError(f"these tails predate acceptance rules (one surrogate draw): no "
-                         f"{acceptance} draw {draw}; re-extract")  # fmt: skip
+        raise ValueError(
+            f"these tails predate acceptance rules (one surrogate draw): no "
+            f"{acceptance} draw {draw}; re-extract"
+        )
     n = tokens.num_rows - 1
     if n > 0 and tails.num_rows == 0:
         raise ValueError(f"no {acceptance} tails of draw {draw} for this sequence")

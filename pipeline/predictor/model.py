@@ -95,8 +95,15 @@ def overlap(predicted: np.ndarray, actual: np.ndarray) -> float:
 class ExpertMLP(nn.Module):
     """[embedding(token), W h_context] -> GELU MLP -> routing logits [layers, experts]."""
 
-    def __init__(self, vocab_size: int, context_dim: int, layers: int, num_experts: int,
-                 embed_dim: int = 64, hidden_dim: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        context_dim: int,
+        layers: int,
+        num_experts: int,
+        embed_dim: int = 64,
+        hidden_dim: int = 256,
+    ) -> None:
         super().__init__()
         self.layers, self.num_experts = layers, num_experts
         self.embed = nn.Embedding(vocab_size, embed_dim)
@@ -133,8 +140,11 @@ class LearnedExpertPredictor:
         for j in range(n):
             ctx = contexts[j] if contexts is not None else None
             # No context (a one-token prompt): zeros, which training also sees for x_0.
-            rows.append(torch.zeros(self.context_dim, device=self.device) if ctx is None
-                        else ctx.to(self.device, torch.float32))  # fmt: skip
+            rows.append(
+                torch.zeros(self.context_dim, device=self.device)
+                if ctx is None
+                else ctx.to(self.device, torch.float32)
+            )
         return torch.stack(rows)
 
     @torch.no_grad()
@@ -163,8 +173,10 @@ class LearnedExpertPredictor:
             "top_k": self.top_k,
             **self.meta,
         }
-        save_file({k: v.detach().cpu().contiguous() for k, v in m.state_dict().items()},
-                  out / WEIGHTS_FILE)  # fmt: skip
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in m.state_dict().items()},
+            out / WEIGHTS_FILE,
+        )
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return out
 

@@ -45,8 +45,9 @@ class RoutingSamples:
         return len(self.tokens)
 
     def take(self, mask: np.ndarray) -> RoutingSamples:
-        return RoutingSamples(self.seq_ids[mask], self.tokens[mask], self.contexts[mask],
-                              self.experts[mask])  # fmt: skip
+        return RoutingSamples(
+            self.seq_ids[mask], self.tokens[mask], self.contexts[mask], self.experts[mask]
+        )
 
 
 @torch.no_grad()
@@ -73,8 +74,12 @@ def load_samples(extract_dir: Path, pair: ModelPair, spec: MoESpec) -> RoutingSa
         experts.append(experts_to_numpy(rows.column("experts"), spec.num_moe_layers, spec.top_k))
     if not toks:
         raise ValueError(f"the extraction in {extract_dir} has no reference tokens")
-    return RoutingSamples(np.concatenate(seq_ids), np.concatenate(toks), np.concatenate(ctxs),
-                          np.concatenate(experts).astype(np.int64))  # fmt: skip
+    return RoutingSamples(
+        np.concatenate(seq_ids),
+        np.concatenate(toks),
+        np.concatenate(ctxs),
+        np.concatenate(experts).astype(np.int64),
+    )
 
 
 def split_by_sequence(
@@ -117,8 +122,9 @@ def train(
     progress: Callable[[int, float, float], None] | None = None,
 ) -> TrainResult:
     torch.manual_seed(seed)
-    model = ExpertMLP(vocab_size, train_set.contexts.shape[1], spec.num_moe_layers,
-                      spec.num_experts)  # fmt: skip
+    model = ExpertMLP(
+        vocab_size, train_set.contexts.shape[1], spec.num_moe_layers, spec.num_experts
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
     tok = torch.from_numpy(train_set.tokens)
@@ -159,8 +165,9 @@ def learned_accuracy(predictor: LearnedExpertPredictor, data: RoutingSamples) ->
 
 def table_accuracy(train_set: RoutingSamples, test_set: RoutingSamples, spec: MoESpec) -> float:
     """The lookup-table baseline fitted on the same training split."""
-    table = TokenExpertPredictor.fit(zip(train_set.tokens.tolist(), train_set.experts, strict=True),
-                                     spec.num_experts, spec.top_k)  # fmt: skip
+    table = TokenExpertPredictor.fit(
+        zip(train_set.tokens.tolist(), train_set.experts, strict=True), spec.num_experts, spec.top_k
+    )
     return table.overlap_accuracy(zip(test_set.tokens.tolist(), test_set.experts, strict=True))
 
 
@@ -183,8 +190,12 @@ def predictor_cost(
     for _ in range(repeats):
         _, ms = timed(pair.device, lambda: predictor.predict_many(tokens, contexts))
         t_pred.append(ms)
-        _, ms = timed(pair.device, lambda: pair.draft(step, past_key_values=cache, use_cache=True,
-                                                      output_hidden_states=True))  # fmt: skip
+        _, ms = timed(
+            pair.device,
+            lambda: pair.draft(
+                step, past_key_values=cache, use_cache=True, output_hidden_states=True
+            ),
+        )
         t_draft.append(ms)
         crop_to(cache, 64)
     pred_ms, draft_ms = float(np.median(t_pred)), float(np.median(t_draft))
@@ -215,17 +226,30 @@ def train_predictor(
     samples = load_samples(extract_dir, pair, spec)
     train_set, test_set = split_by_sequence(samples, held_out, seed)
     n_test_seqs = len(set(test_set.seq_ids.tolist()))
-    log(f"{len(train_set):,} training and {len(test_set):,} held-out tokens "
+    log(
+        f"{len(train_set):,} training and {len(test_set):,} held-out tokens "
         f"({n_test_seqs} held-out sequences); {spec.num_moe_layers} MoE layers x "
-        f"{spec.num_experts} experts, top-{spec.top_k}")  # fmt: skip
+        f"{spec.num_experts} experts, top-{spec.top_k}"
+    )
 
     def progress(epoch: int, loss: float, test_loss: float) -> None:
         if epoch == 0 or (epoch + 1) % 5 == 0 or epoch + 1 == epochs:
-            log(f"[train_predictor] epoch {epoch + 1}/{epochs}: loss {loss:.3f}, "
-                f"held-out {test_loss:.3f}")  # fmt: skip
+            log(
+                f"[train_predictor] epoch {epoch + 1}/{epochs}: loss {loss:.3f}, "
+                f"held-out {test_loss:.3f}"
+            )
 
-    result = train(train_set, test_set, pair.draft.config.vocab_size, spec, epochs, batch_size,
-                   lr, seed, progress)  # fmt: skip
+    result = train(
+        train_set,
+        test_set,
+        pair.draft.config.vocab_size,
+        spec,
+        epochs,
+        batch_size,
+        lr,
+        seed,
+        progress,
+    )
     predictor = result.predictor
     acc = learned_accuracy(predictor, test_set)
     acc_train = learned_accuracy(predictor, train_set)

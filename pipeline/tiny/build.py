@@ -75,8 +75,10 @@ def build_embedded_models(
     tokenizer = train_tokenizer(train_docs, sizes.vocab_size)
     train_stream = encode_stream(tokenizer, train_docs)
     heldout_stream = encode_stream(tokenizer, heldout_docs)[: heldout_tokens + 1]
-    log(f"tokenizer: vocab {len(tokenizer)}; {len(train_stream):,} train tokens, "
-        f"{len(heldout_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)")  # fmt: skip
+    log(
+        f"tokenizer: vocab {len(tokenizer)}; {len(train_stream):,} train tokens, "
+        f"{len(heldout_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)"
+    )
 
     eos = tokenizer.eos_token_id
     target = Qwen3MoeForCausalLM._from_config(
@@ -85,12 +87,14 @@ def build_embedded_models(
     draft = Qwen3ForCausalLM(draft_config(sizes, eos))
     tokens_per_step = batch_size * seq_len
     target_batches = batches(train_stream, batch_size, seq_len, seed)
-    train_loop(target, target_loss(target), target_batches, target_steps, lr, tokens_per_step,
-               "target")  # fmt: skip
+    train_loop(
+        target, target_loss(target), target_batches, target_steps, lr, tokens_per_step, "target"
+    )
     # Other windows than the target saw, from the same text.
     draft_batches = batches(train_stream, batch_size, seq_len, seed + 1)
-    train_loop(draft, distill_loss(draft, target), draft_batches, draft_steps, lr,
-               tokens_per_step, "draft")  # fmt: skip
+    train_loop(
+        draft, distill_loss(draft, target), draft_batches, draft_steps, lr, tokens_per_step, "draft"
+    )
 
     t_loss, d_loss, agreement, n_heldout = heldout_metrics(target, draft, heldout_stream)
     prompt = heldout_stream[:64].unsqueeze(0)
@@ -108,8 +112,9 @@ def build_embedded_models(
     }
     size = write_models(out, {"target": target, "draft": draft}, tokenizer, report)
     report["models_mib"] = round(size / 2**20, 2)
-    return EmbeddedModels(out, report, t_loss, d_loss, agreement, n_heldout, target_ms, draft_ms,
-                          size)  # fmt: skip
+    return EmbeddedModels(
+        out, report, t_loss, d_loss, agreement, n_heldout, target_ms, draft_ms, size
+    )
 
 
 def write_models(

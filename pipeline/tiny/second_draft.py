@@ -57,16 +57,23 @@ def distill_second_draft(
     train_docs, heldout_docs = split_documents(stdlib_documents())
     train_stream = encode_stream(tokenizer, train_docs)
     heldout_stream = encode_stream(tokenizer, heldout_docs)[: heldout_tokens + 1]
-    sizes = replace(TinySizes(), vocab_size=target.config.vocab_size,
-                    hidden_size=target.config.hidden_size, draft_layers=layers)  # fmt: skip
+    sizes = replace(
+        TinySizes(),
+        vocab_size=target.config.vocab_size,
+        hidden_size=target.config.hidden_size,
+        draft_layers=layers,
+    )
     draft = Qwen3ForCausalLM(draft_config(sizes, tokenizer.eos_token_id))
-    log(f"distilling a {layers}-layer draft ({sum(p.numel() for p in draft.parameters()):,} "
-        f"parameters) from {target_dir}, {steps} steps")  # fmt: skip
+    log(
+        f"distilling a {layers}-layer draft ({sum(p.numel() for p in draft.parameters()):,} "
+        f"parameters) from {target_dir}, {steps} steps"
+    )
     t0 = time.perf_counter()
     # The embedded build's draft windows (seed + 1): the same text, the same order.
     data = batches(train_stream, batch_size, seq_len, seed + 1)
-    train_loop(draft, distill_loss(draft, target), data, steps, lr, batch_size * seq_len,
-               f"draft{layers}")  # fmt: skip
+    train_loop(
+        draft, distill_loss(draft, target), data, steps, lr, batch_size * seq_len, f"draft{layers}"
+    )
     t_loss, d_loss, agreement, n = heldout_metrics(target, draft, heldout_stream)
     target_ms, draft_ms = paired_decode_step_ms([target, draft], heldout_stream[:64][None])
     report: dict[str, float | int] = {

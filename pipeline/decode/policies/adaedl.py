@@ -33,10 +33,17 @@ class AdaEDLPolicy(Policy):
     summary = "AdaEDL: draft while 1 - sqrt(gamma * entropy) >= lambda"
     knobs = (
         Knob("gamma", float, 0.2, 0.0, 10.0, help="scale of the entropy in the bound"),
-        Knob("lam", float, 0.3, 0.0, 1.0, title="lambda",
-             help="least acceptance lower bound to go on drafting"),
+        Knob(
+            "lam",
+            float,
+            0.3,
+            0.0,
+            1.0,
+            title="lambda",
+            help="least acceptance lower bound to go on drafting",
+        ),
         step_knob("max_k", 12, "longest chain"),
-    )  # fmt: skip
+    )
 
     def lower_bound(self, entropy: float) -> float:
         return 1.0 - math.sqrt(max(0.0, self.gamma * entropy))

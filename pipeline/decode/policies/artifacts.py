@@ -101,8 +101,10 @@ def read_lambda(path: Path) -> float:
     except (KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not an oracle policy.json (no lambda_ms_per_token)") from exc
     if lam is None or lam <= 0:
-        raise ValueError(f"{path}: lambda must be > 0, got {lam} (the oracle's delta space "
-                         "found no usable boundary; recalibrate)")  # fmt: skip
+        raise ValueError(
+            f"{path}: lambda must be > 0, got {lam} (the oracle's delta space "
+            "found no usable boundary; recalibrate)"
+        )
     return float(lam)
 
 
@@ -120,6 +122,8 @@ def load_artifacts(
     if acceptance is not None and Path(acceptance).exists():
         accept = AcceptanceModel.load(Path(acceptance))
     return PolicyArtifacts(
-        LearnedExpertPredictor.load(predictor, device), CostModel.load(costmodel),
-        read_lambda(policy), accept,
-    )  # fmt: skip
+        LearnedExpertPredictor.load(predictor, device),
+        CostModel.load(costmodel),
+        read_lambda(policy),
+        accept,
+    )

@@ -82,8 +82,10 @@ class AcceptanceChainPolicy(Policy):
 def require_acceptance(name: str, artifacts: PolicyArtifacts | None) -> AcceptanceModel:
     """The acceptance model a policy reads, or an error that says how to train one."""
     if artifacts is None or artifacts.acceptance is None:
-        raise ValueError(f"{name} needs an acceptance model (acceptance.json): train one with "
-                         "python -m jobs.train_acceptance")  # fmt: skip
+        raise ValueError(
+            f"{name} needs an acceptance model (acceptance.json): train one with "
+            "python -m jobs.train_acceptance"
+        )
     return artifacts.acceptance
 
 

@@ -43,14 +43,25 @@ class BatchPolicy(AcceptanceChainPolicy):
     max_k: int | None = None
     probe_every: int = 8
     name = "batch"
-    summary = ("ours at batch > 1: every generation's chain length planned for the batch's "
-               "tokens per ms (shared draft rounds, the shared expert union)")  # fmt: skip
+    summary = (
+        "ours at batch > 1: every generation's chain length planned for the batch's "
+        "tokens per ms (shared draft rounds, the shared expert union)"
+    )
     knobs = (
-        step_knob("max_k", None, "longest chain (default: the cost model's largest m - 1, at "
-                  f"most {DEFAULT_MAX_K})"),
-        Knob("probe_every", int, 8, 1, 64,
-             help="plain steps in a row before one that drafts a token anyway"),
-    )  # fmt: skip
+        step_knob(
+            "max_k",
+            None,
+            f"longest chain (default: the cost model's largest m - 1, at most {DEFAULT_MAX_K})",
+        ),
+        Knob(
+            "probe_every",
+            int,
+            8,
+            1,
+            64,
+            help="plain steps in a row before one that drafts a token anyway",
+        ),
+    )
 
     def reset(self) -> None:
         # Decayed counts of drafted tokens judged and accepted at each chain depth: at T = 0
@@ -65,16 +76,19 @@ class BatchPolicy(AcceptanceChainPolicy):
     def step_work(self) -> StepWork:
         k = self.max_k
         assert k is not None
-        return StepWork(k, 2 * k + self.probe_every, k + 1,
-                        f"max_k {k}, probe_every {self.probe_every}")  # fmt: skip
+        return StepWork(
+            k, 2 * k + self.probe_every, k + 1, f"max_k {k}, probe_every {self.probe_every}"
+        )
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         prior = self.acceptance.mode(drafter.sampling.greedy).prior
         # Past the first token the prior is optimistic (a chain that survives is likely
         # copying): a depth the generation has not tried yet gets tried, then measured.
         priors = [prior] + [DEEP_PRIOR] * (len(self._hits) - 1)
-        accept = [(h + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT)
-                  for h, n, p in zip(self._hits, self._judged, priors, strict=True)]  # fmt: skip
+        accept = [
+            (h + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT)
+            for h, n, p in zip(self._hits, self._judged, priors, strict=True)
+        ]
         k = self._length(drafter, accept, len(committed))
         if k == 0 and self._plain_run >= self.probe_every:
             k = 1
@@ -91,7 +105,8 @@ class BatchPolicy(AcceptanceChainPolicy):
         best_k, best = 0, self.cost.t_target(1, self.acceptance.union(1), context)  # batch 1
         for k in range(1, self.max_k + 1):
             price = self.cost.t_draft(k) + self.cost.t_target(
-                k + 1, self.acceptance.union(k + 1), context)  # fmt: skip
+                k + 1, self.acceptance.union(k + 1), context
+            )
             if price / (1 + expected(accept, k)) < best:
                 best_k, best = k, price / (1 + expected(accept, k))
         return best_k

@@ -51,15 +51,20 @@ class CascadePolicy(Policy):
     test_steps: int = 2
     set_steps: int = 24
     name = "cascade"
-    summary = ("Cascade: test each K briefly, then run the K of best utility (AR price over "
-               "step price); no draft when none pays")  # fmt: skip
+    summary = (
+        "Cascade: test each K briefly, then run the K of best utility (AR price over "
+        "step price); no draft when none pays"
+    )
     needs_artifacts = True
     knobs = (
-        step_knob("max_k", None, "largest K tested (default: the cost model's largest m - 1, "
-                  f"at most {DEFAULT_MAX_K})"),
+        step_knob(
+            "max_k",
+            None,
+            f"largest K tested (default: the cost model's largest m - 1, at most {DEFAULT_MAX_K})",
+        ),
         Knob("test_steps", int, 2, 1, 64, help="steps each tested K runs per cycle"),
         Knob("set_steps", int, 24, 1, 128, help="steps at the chosen K before testing again"),
-    )  # fmt: skip
+    )
     # (K, utility) of every set phase, for inspection.
     choices: list[tuple[int, float]] = field(default_factory=list, init=False)
 

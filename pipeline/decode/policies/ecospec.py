@@ -116,8 +116,9 @@ class EcoSpecPolicy(Policy):
         footprints = path_footprints(tree.tokens, tree.parents, self.predictor, tree.contexts)
         root = self.predictor.predict(committed[-1], drafter.root_context)
         buffer = [set(row.tolist()) for row in root]
-        chosen = select_nodes(tree.path_p, footprints, tree.parents, self.gamma, buffer,
-                              self.eps, self.use_buffer)  # fmt: skip
+        chosen = select_nodes(
+            tree.path_p, footprints, tree.parents, self.gamma, buffer, self.eps, self.use_buffer
+        )
         return tree.subset(chosen)
 
     def step_work(self) -> StepWork:

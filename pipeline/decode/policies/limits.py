@@ -70,8 +70,10 @@ class StepLimits:
 
     def __post_init__(self) -> None:
         # 0 draft forwards / tokens admits plain steps only; every step verifies its root.
-        if (min(self.max_draft_forwards, self.max_draft_tokens, self.max_tree_nodes) < 0
-                or self.max_verified < 1):  # fmt: skip
+        if (
+            min(self.max_draft_forwards, self.max_draft_tokens, self.max_tree_nodes) < 0
+            or self.max_verified < 1
+        ):
             raise ValueError(f"step limits must be >= 0 (verified >= 1), got {self}")
 
     def check(self, policy_name: str, work: StepWork) -> None:
@@ -79,12 +81,15 @@ class StepLimits:
         to lower, when ``work`` exceeds a limit."""
         checks = (
             (work.draft_forwards, self.max_draft_forwards, work.why, "runs {n} draft forwards"),
-            (work.draft_tokens, self.max_draft_tokens, work.why,
-             "feeds {n} tokens to the draft"),
-            (work.verified, self.max_verified, work.why_verified or work.why,
-             "verifies {n} positions"),
+            (work.draft_tokens, self.max_draft_tokens, work.why, "feeds {n} tokens to the draft"),
+            (
+                work.verified,
+                self.max_verified,
+                work.why_verified or work.why,
+                "verifies {n} positions",
+            ),
             (work.tree_nodes, self.max_tree_nodes, work.why, "builds a draft tree of {n} nodes"),
-        )  # fmt: skip
+        )
         for amount, limit, why, what in checks:
             if amount > limit:
                 raise StepLimitError(
@@ -141,5 +146,6 @@ def tree_work(depth: int, branch: int, gamma: int) -> StepWork:
     catch_up = min(depth, gamma - 1) + 1
     verified = min(gamma - 1, nodes) + 1
     why_verified = f"gamma {gamma}" if gamma - 1 <= nodes else f"depth {depth}, branch {branch}"
-    return StepWork(depth, catch_up + fed, verified, f"depth {depth}, branch {branch}",
-                    why_verified, nodes)  # fmt: skip
+    return StepWork(
+        depth, catch_up + fed, verified, f"depth {depth}, branch {branch}", why_verified, nodes
+    )

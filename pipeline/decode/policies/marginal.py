@@ -83,20 +83,31 @@ class MarginalPolicy(Policy):
     summary = "ours: grow the chain while dE[Cost] / dE[a] <= lambda (the oracle's slope)"
     needs_artifacts = True
     knobs = (
-        Knob("lam", float, None, 0.0, low_open=True, title="lambda",
-             help="ms of expected cost per expected token (default: the oracle's policy.json)"),
-        step_knob("max_k", None, "longest chain (default: the cost model's largest m - 1, "
-                  f"at most {DEFAULT_MAX_K})"),
+        Knob(
+            "lam",
+            float,
+            None,
+            0.0,
+            low_open=True,
+            title="lambda",
+            help="ms of expected cost per expected token (default: the oracle's policy.json)",
+        ),
+        step_knob(
+            "max_k",
+            None,
+            f"longest chain (default: the cost model's largest m - 1, at most {DEFAULT_MAX_K})",
+        ),
         Knob("calibrate", bool, False, help="learn P(accept | q) online from verified drafts"),
-    )  # fmt: skip
+    )
     trace: list[MarginalStep] = field(default_factory=list)
 
     @classmethod
     def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:
         assert artifacts is not None
         lam = knobs.pop("lam", None)
-        return cls(artifacts.cost, artifacts.lam if lam is None else lam, artifacts.predictor,
-                   **knobs)  # fmt: skip
+        return cls(
+            artifacts.cost, artifacts.lam if lam is None else lam, artifacts.predictor, **knobs
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # lambda > 0, max_k in range when given
@@ -149,8 +160,9 @@ class MarginalPolicy(Policy):
             d_cost = d_draft + (
                 self.cost.t_target(m + 1, u_next, ctx) - self.cost.t_target(m, u, ctx)
             )
-            step = MarginalStep(top, p_all * self.accept_probability(float(probs[top])),
-                                d_cost, u_next - u)  # fmt: skip
+            step = MarginalStep(
+                top, p_all * self.accept_probability(float(probs[top])), d_cost, u_next - u
+            )
             self.trace.append(step)
             if step.ratio > self.lam:
                 break

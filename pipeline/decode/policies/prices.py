@@ -27,8 +27,9 @@ class PriceTables:
     compare differences of T_T, in which the context term c L cancels, so the tables leave it
     out; ``step_price`` prices a whole step with it."""
 
-    def __init__(self, cost: CostModel, union: Callable[[int], float], max_k: int,
-                 retime: bool) -> None:  # fmt: skip
+    def __init__(
+        self, cost: CostModel, union: Callable[[int], float], max_k: int, retime: bool
+    ) -> None:
         self.cost, self.union, self.retime = cost, union, retime
         self._td0 = [cost.t_draft(n) for n in range(max_k + 1)]
         self._tt0 = [0.0] + [cost.t_target(m, union(m), 0) for m in range(1, max_k + 2)]
@@ -53,8 +54,10 @@ class PriceTables:
         """The step's modelled price at the current scales (with the experts it verified),
         then the step's measured times folded into the scales."""
         u = record.u_bar if record.unique_experts else self.union(record.verified)
-        modelled = {"draft": self.cost.t_draft(record.draft_forwards),
-                    "target": self.cost.t_target(record.verified, u, ctx)}  # fmt: skip
+        modelled = {
+            "draft": self.cost.t_draft(record.draft_forwards),
+            "target": self.cost.t_target(record.verified, u, ctx),
+        }
         price = sum(self.scale(side) * modelled[side] for side in SIDES) + extra_ms
         measured = {"draft": record.t_draft_ms, "target": record.t_verify_ms}
         for side in SIDES:

@@ -79,8 +79,9 @@ def validate_knobs(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
         spec = declared.get(key)
         if spec is None:
             choices = ", ".join(declared) or "none"
-            raise KnobError(f"bad knobs for policy {name!r}: unknown knob {key!r} "
-                            f"(its knobs: {choices})")  # fmt: skip
+            raise KnobError(
+                f"bad knobs for policy {name!r}: unknown knob {key!r} (its knobs: {choices})"
+            )
         if value is None and spec.default is None:
             continue  # "use the artifacts' value", said explicitly
         problem = spec.type_error(value)

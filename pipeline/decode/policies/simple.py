@@ -51,16 +51,19 @@ class HeuristicPolicy(Policy):
     max_k: int = 20
     name = "heuristic"
     summary = "transformers' schedule: k += 2 after a fully accepted chain, else k -= 1"
-    knobs = (step_knob("start_k", 5, "k of a generation's first step"),
-             step_knob("max_k", 20, "largest k the schedule reaches"))  # fmt: skip
+    knobs = (
+        step_knob("start_k", 5, "k of a generation's first step"),
+        step_knob("max_k", 20, "largest k the schedule reaches"),
+    )
 
     def reset(self) -> None:
         self.k = self.start_k
 
     def step_work(self) -> StepWork:
         # k starts at start_k and update() never takes it above max(start_k, max_k).
-        return chain_work(max(self.start_k, self.max_k),
-                          f"start_k {self.start_k}, max_k {self.max_k}")  # fmt: skip
+        return chain_work(
+            max(self.start_k, self.max_k), f"start_k {self.start_k}, max_k {self.max_k}"
+        )
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         return draft_chain(drafter, committed, self.k)
@@ -78,9 +81,17 @@ class ConfidencePolicy(Policy):
     max_k: int = 10
     name = "confidence"
     summary = "extend the chain while the draft's confidence stays >= threshold"
-    knobs = (Knob("threshold", float, 0.4, 0.0, 1.0,
-                  help="least draft confidence (max q at the next position) to go on"),
-             step_knob("max_k", 10, "longest chain"))  # fmt: skip
+    knobs = (
+        Knob(
+            "threshold",
+            float,
+            0.4,
+            0.0,
+            1.0,
+            help="least draft confidence (max q at the next position) to go on",
+        ),
+        step_knob("max_k", 10, "longest chain"),
+    )
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         return draft_chain(drafter, committed, self.max_k, min_conf=self.threshold)

@@ -35,10 +35,17 @@ class SpecDecPolicy(Policy):
     summary = "SpecDec++-style: stop once P(some drafted token is rejected) > threshold"
     needs_artifacts = True
     knobs = (
-        Knob("threshold", float, 0.5, 0.0, 1.0, low_open=True,
-             help="stop once the chance that a drafted token is rejected exceeds it"),
+        Knob(
+            "threshold",
+            float,
+            0.5,
+            0.0,
+            1.0,
+            low_open=True,
+            help="stop once the chance that a drafted token is rejected exceeds it",
+        ),
         step_knob("max_k", 12, "longest chain"),
-    )  # fmt: skip
+    )
 
     @classmethod
     def from_knobs(cls, artifacts: PolicyArtifacts | None, **knobs: Any) -> Policy:

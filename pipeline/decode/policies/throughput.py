@@ -67,26 +67,60 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     adapt: float = 0.2
     retime: bool = False
     name = "throughput"
-    summary = ("ours: draft while a token's expected value at the generation's own cost per "
-               "token exceeds its modelled cost (acceptance learned offline)")  # fmt: skip
+    summary = (
+        "ours: draft while a token's expected value at the generation's own cost per "
+        "token exceeds its modelled cost (acceptance learned offline)"
+    )
     knobs = (
-        step_knob("max_k", None, "longest chain (default: the cost model's largest m - 1, at "
-                  f"most {DEFAULT_MAX_K})"),
-        Knob("probe_every", int, 8, 1, 64,
-             help="plain steps, while drafting does not pay, between two that draft anyway"),
-        Knob("step_overhead_ms", float, 0.0, 0.0, 100.0,
-             help="ms a step costs beyond its modelled forwards (the engine's own work): "
-                  "counted in the rate, so fewer, longer steps are worth a little more"),
-        Knob("adapt", float, 0.2, 0.0, 1.0,
-             help="learning rate of the online correction of the acceptance model's logit "
-                  "from this generation's outcomes (0: off)"),
-        Knob("retime", bool, False,
-             help="scale the cost model's draft and target prices by this generation's "
-                  "measured over modelled step times (off: measured no better, docs/online.md)"),
-        Knob("rate", float, None, 0.0, low_open=True, title="rate",
-             help="ms per token a drafted token is worth (default: the generation's own "
-                  "modelled cost per token, as it goes)"),
-    )  # fmt: skip
+        step_knob(
+            "max_k",
+            None,
+            f"longest chain (default: the cost model's largest m - 1, at most {DEFAULT_MAX_K})",
+        ),
+        Knob(
+            "probe_every",
+            int,
+            8,
+            1,
+            64,
+            help="plain steps, while drafting does not pay, between two that draft anyway",
+        ),
+        Knob(
+            "step_overhead_ms",
+            float,
+            0.0,
+            0.0,
+            100.0,
+            help="ms a step costs beyond its modelled forwards (the engine's own work): "
+            "counted in the rate, so fewer, longer steps are worth a little more",
+        ),
+        Knob(
+            "adapt",
+            float,
+            0.2,
+            0.0,
+            1.0,
+            help="learning rate of the online correction of the acceptance model's logit "
+            "from this generation's outcomes (0: off)",
+        ),
+        Knob(
+            "retime",
+            bool,
+            False,
+            help="scale the cost model's draft and target prices by this generation's "
+            "measured over modelled step times (off: measured no better, docs/online.md)",
+        ),
+        Knob(
+            "rate",
+            float,
+            None,
+            0.0,
+            low_open=True,
+            title="rate",
+            help="ms per token a drafted token is worth (default: the generation's own "
+            "modelled cost per token, as it goes)",
+        ),
+    )
     # (step kind, drafted, rate) of the generation's steps, for inspection.
     decisions: list[tuple[str, int, float]] = field(default_factory=list, init=False)
 
@@ -112,8 +146,9 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         k = self.max_k
         # Catch-up: the last drafting step's tokens (<= k + 1) and up to probe_every plain
         # steps' after it; then k - 1 extends.
-        return StepWork(k, 2 * k + self.probe_every, k + 1,
-                        f"max_k {k}, probe_every {self.probe_every}")  # fmt: skip
+        return StepWork(
+            k, 2 * k + self.probe_every, k + 1, f"max_k {k}, probe_every {self.probe_every}"
+        )
 
     # -- pricing -------------------------------------------------------------------------
     def _t_target(self, m: int) -> float:
@@ -142,8 +177,9 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             best = min(best, (self.cost.t_draft(n) + self._t_target(n + 1) + extra) / tokens)
         return best
 
-    def _worth(self, rho: float, p: float, accs: list[float], m: int, forwards: int,
-               first_free: bool) -> float:  # fmt: skip
+    def _worth(
+        self, rho: float, p: float, accs: list[float], m: int, forwards: int, first_free: bool
+    ) -> float:
         """The best worth over plans of n = 1 .. len(accs) more tokens (module docstring):
         rho * expected tokens gained minus the extra modelled cost. ``first_free``: the first
         token's distribution is already computed."""
@@ -157,8 +193,9 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             best = max(best, gain - (td[more] - t_d0) - (tt[m + n] - t_t0))
         return best
 
-    def _pays(self, rho: float, p: float, accs: list[float], m: int, forwards: int,
-              first_free: bool) -> bool:  # fmt: skip
+    def _pays(
+        self, rho: float, p: float, accs: list[float], m: int, forwards: int, first_free: bool
+    ) -> bool:
         """_worth(...) > 0, stopping at the first plan that pays (most decisions to go on)."""
         td, tt = self._td, self._tt
         t_d0, t_t0 = td[forwards], tt[m]
@@ -210,8 +247,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             stats = position_stats(probs, self._index, tail)
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
-            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay,
-                                           self._offset)  # fmt: skip
+            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not self._pays(
                 rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
@@ -229,15 +265,19 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             probs = drafter.extend(token)
         return cands
 
-    def _observe_catchup(self, drafter: Drafter, committed: list[int], cached: int,
-                         recent: float) -> float:  # fmt: skip
+    def _observe_catchup(
+        self, drafter: Drafter, committed: list[int], cached: int, recent: float
+    ) -> float:
         """At T = 0 the catch-up forward shows, for free, whether the draft's argmax matched
         the committed text at positions no drafted token was judged on (after plain steps):
         outcomes for recent acceptance, which plain steps would otherwise leave frozen."""
         assert drafter.logits is not None
         rows = drafter.logits[:-1].argmax(-1).tolist()  # row r predicts cached + r + 1
-        self._catchup = [tok == committed[cached + r + 1] for r, tok in enumerate(rows)
-                         if cached + r + 1 > self._observed_upto]  # fmt: skip
+        self._catchup = [
+            tok == committed[cached + r + 1]
+            for r, tok in enumerate(rows)
+            if cached + r + 1 > self._observed_upto
+        ]
         decay = self.acceptance.decay
         for hit in self._catchup:
             recent = decay * recent + (1 - decay) * float(hit)

@@ -16,15 +16,23 @@ from pipeline.decode.types import Candidates
 TREE_KNOBS = (
     step_knob("depth", None, "levels of the draft tree"),
     step_knob("branch", None, "children expanded per frontier node, frontier nodes per level"),
-    Knob("gamma", int, None, 2, MAX_STEP_KNOB, help="positions verified per step, the root "
-         "(last committed token) included: at most gamma - 1 draft nodes"),
-)  # fmt: skip
+    Knob(
+        "gamma",
+        int,
+        None,
+        2,
+        MAX_STEP_KNOB,
+        help="positions verified per step, the root "
+        "(last committed token) included: at most gamma - 1 draft nodes",
+    ),
+)
 
 
 def tree_knobs(depth: int, branch: int, gamma: int):
     """The tree knobs with a policy's own defaults."""
-    return tuple(replace(k, default=d) for k, d in zip(TREE_KNOBS, (depth, branch, gamma),
-                                                       strict=True))  # fmt: skip
+    return tuple(
+        replace(k, default=d) for k, d in zip(TREE_KNOBS, (depth, branch, gamma), strict=True)
+    )
 
 
 @dataclass

@@ -51,9 +51,11 @@ class DraftTree:
 
 
 def select_prefix_closed(
-    parents: list[int], gamma: int, score: Callable[[int], float],
+    parents: list[int],
+    gamma: int,
+    score: Callable[[int], float],
     on_select: Callable[[int], None] | None = None,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """Up to gamma - 1 nodes, chosen one at a time: the best ``score`` among the eligible
     nodes (those whose parent is the root or already selected; ties go to the lower index,
     i.e. the earlier level), ``on_select`` told of each choice before the next is scored.
