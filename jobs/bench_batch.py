@@ -8,12 +8,18 @@ cost-aware choice) at 8 generations at once, T = 0:
 
     python -m jobs.bench_batch                                   # 16 HumanEval prompts, batch 8
     python -m jobs.bench_batch --batch-sizes 1,8,16 --repeats 3 --source sharegpt
+
+Every policy is built before anything decodes; each repeat of each cell is appended to
+OUT/cells.jsonl when it is done, and a cell whose decoding fails is reported at the end
+(non-zero exit) without losing the others'.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 
 from jobs.cli import (
     SOURCE_HELP,
@@ -25,9 +31,11 @@ from jobs.cli import (
     torch_threads,
 )
 from pipeline.bench.batch import bench_batch, format_batch_bench
+from pipeline.bench.guard import ResultLog, raise_failures
 from pipeline.data.domains import load_prompts
 from pipeline.data.prompts import encode
 from pipeline.decode.policies.artifacts import load_artifacts
+from pipeline.decode.policies.registry import validate_knobs
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run, tracking_uri
 
@@ -60,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1, as a replica)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/bench_batch"),
+        help="directory of cells.jsonl: each repeat of each cell (or a failure) as it is done",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
         p.error("--repeats, --limit, --max-new-tokens and --threads must be >= 1")
@@ -67,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--batch-sizes must be >= 1")
     try:
         args.specs = parse_policy_specs(args.policies)
+        for name, knobs in args.specs:
+            validate_knobs(name, knobs)
     except ValueError as exc:
         p.error(f"--policies: {exc}")
     return args
@@ -98,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.temperature,
             args.repeats,
             artifacts,
+            record=ResultLog(args.out / "cells.jsonl").write,
         )
     header = (
         f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, "
@@ -107,13 +124,18 @@ def main(argv: list[str] | None = None) -> dict:
     params = {k: str(v) for k, v in vars(args).items() if k != "specs"}
     with tracked_run("bench_batch", params=params) as tracked:
         tracked.log_metrics(
-            {f"b{c.batch}.{c.label.replace(' ', '_').replace('=', '')}": c.mean for c in cells}
+            {
+                f"b{c.batch}.{c.label.replace(' ', '_').replace('=', '')}": c.mean
+                for c in cells
+                if c.failed is None
+            }
         )
         tracked.log_text(table, "bench_batch.txt")
-        tracked.log_text(json.dumps([c.__dict__ for c in cells], indent=1), "cells.json")
+        tracked.log_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1), "cells.json")
         run_id = tracked.run_id
     print(table)
-    print(f"\nMLflow run {run_id} at {tracking_uri()}")
+    print(f"\nMLflow run {run_id} at {tracking_uri()}; cells in {args.out / 'cells.jsonl'}")
+    raise_failures("bench_batch", [c.failed for c in cells if c.failed is not None])
     return {"cells": cells}
 
 

@@ -16,6 +16,11 @@ summary per domain and temperature, pooled over the domains too: each policy's s
 ratio over the best fixed K of that domain and temperature in the same run, its share of the
 bound and whether its greedy text equals `ar`'s.
 
+Before anything decodes, every policy must build and the cost model must price every step it
+may take (its largest m, from its knobs: a chain of max_k verifies max_k + 1). Each row is
+appended to OUT/rows.jsonl as soon as it is scored; a policy whose scoring fails is left out,
+the others are reported, and the run ends naming it with a non-zero exit.
+
     python -m jobs.bench_online --limit 8 --max-new-tokens 64
     python -m jobs.bench_online --domains code,prose,math --limit 8 --max-new-tokens 64
     python -m jobs.bench_online --domains all --policies ar,fixed:k=2,fixed:k=4,throughput
@@ -26,6 +31,7 @@ bound and whether its greedy text equals `ar`'s.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from jobs.cli import (
@@ -37,7 +43,9 @@ from jobs.cli import (
     torch_threads,
 )
 from pipeline.bench.domains import domain_metrics, domain_table, format_domain_summary
-from pipeline.bench.online import BenchRow, run_online_bench
+from pipeline.bench.guard import ResultLog, raise_failures
+from pipeline.bench.online import run_online_bench
+from pipeline.bench.rows import BenchRow
 from pipeline.bench.scoring import format_online_bench
 from pipeline.data.domains import DOMAINS, load_prompts
 from pipeline.data.prompts import encode
@@ -117,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lmax", type=int, default=12, help="Lmax of the bound (12)")
     p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/bench_online"),
+        help="directory of rows.jsonl: each row (or failed policy) written as it is scored",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="only ar, fixed k = 1..4 and throughput, no assisted generation",
@@ -177,8 +191,11 @@ def _bound_arg(args: argparse.Namespace) -> bool | list[float]:
     return True if args.bound_at is None else args.bound_at
 
 
-def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: str):
-    """One prompt source's bench, printed as it finishes."""
+def _bench_source(
+    args: argparse.Namespace, pair, artifacts, name: str, source: str, log: ResultLog
+):
+    """One prompt source's bench, each row written to ``log`` as it is scored, the table
+    printed as it finishes."""
     chosen = load_prompts(source, args.limit)
     trained = set(artifacts.acceptance.meta.get("prompts", [])) if artifacts.acceptance else set()
     seen = sorted(p.prompt_id for p in chosen if p.prompt_id in trained)
@@ -202,6 +219,7 @@ def _bench_source(args: argparse.Namespace, pair, artifacts, name: str, source: 
         assisted=False if args.no_assisted else None,
         bound=_bound_arg(args),
         progress=lambda line: print(f"[bench_online] {name}: {line}", flush=True),
+        record=lambda result: log.write({"source": name, **result}),
     )
     if args.domains:
         print(f"\n=== domain {name} ===")
@@ -220,9 +238,10 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     artifacts.check_pair(pair, allow_mismatch=args.allow_costmodel_mismatch)
     sources = {d: d for d in args.domains} if args.domains else {args.source: args.source}
     results = {}
+    log = ResultLog(args.out / "rows.jsonl")
     with torch_threads(args.threads or None):
         for name, source in sources.items():
-            results[name] = _bench_source(args, pair, artifacts, name, source)
+            results[name] = _bench_source(args, pair, artifacts, name, source, log)
     metrics = {}
     if args.domains:
         table = domain_table(results)
@@ -236,6 +255,13 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     params = {**vars(args), "policies": str(args.policies)}
     with tracked_run("bench_online", params=params) as mlrun:
         mlrun.log_metrics(metrics)
+    print(f"\nrows written to {log.path}")
+    failures = [
+        replace(f, where=f"{name}, {f.where}") if args.domains else f
+        for name, result in results.items()
+        for f in result.failures
+    ]
+    raise_failures("bench_online", failures)  # after every other result is out
     return [row for result in results.values() for row in result.rows]
 
 

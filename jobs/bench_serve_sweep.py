@@ -28,7 +28,8 @@ from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
 from pipeline.data.domains import load_prompts
 from pipeline.decode.policies.registry import validate_knobs
 from pipeline.tracking import tracked_run
-from serving.sweep import MODES, SweepSettings, format_row, format_sweep, run_sweep, write_results
+from serving.sweep import MODES, SweepSettings, run_sweep
+from serving.sweep_report import format_row, format_sweep, write_results
 
 DEFAULT_POLICIES = '[{"policy": "ar"}, {"policy": "fixed", "k": 4}, {"policy": "throughput"}]'
 

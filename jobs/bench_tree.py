@@ -1,4 +1,4 @@
-"""The tree bound against the tree policies (issue 18): on the same prompts, at T = 0, the
+"""The tree bound against the tree policies: on the same prompts, at T = 0, the
 chain bound and the tree bound of each selection rule (EAGLE-2's top path probability,
 EcoSpec's expert-aware rule) per largest budget K (gamma <= K + 1 verified positions), and the
 fraction of its rule's bound each tree policy (`tree`, `ecospec`) captures, modelled/modelled
@@ -6,7 +6,10 @@ and measured, with the extraction cost of the tree tables per reference token.
 
 `ar` and the policies decode every prompt interleaved, --repeats times (measured speedups per
 repeat); `ar`'s text is the reference the bounds are solved on. Everything is priced with the
-artifacts' costmodel.json, measured on this machine's kind of setup.
+artifacts' costmodel.json, measured on this machine's kind of setup. Before decoding, the cost
+model must price every step each policy may take (m up to its gamma); each policy's score is
+appended to OUT/policies.jsonl when it is done, and a policy whose scoring fails is reported
+at the end (non-zero exit) without losing the others'.
 
     python -m jobs.bench_tree                                   # 16 HumanEval prompts x 128
     python -m jobs.bench_tree --limit 4 --max-new-tokens 32 --repeats 1   # a quick look
@@ -30,6 +33,7 @@ from jobs.cli import (
     run,
     torch_threads,
 )
+from pipeline.bench.guard import ResultLog, raise_failures
 from pipeline.bench.tree_bound import (
     DEFAULT_RULES,
     SELECTION_OF,
@@ -83,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="predictor/, costmodel.json and policy.json from DIR (default: the "
         "embedded pair's, models/)",
     )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/bench_tree"),
+        help="directory of policies.jsonl: each policy's score (or failure) as it is done",
+    )
     args = p.parse_args(argv)
     if not args.artifacts.is_dir():
         p.error(f"--artifacts {args.artifacts}: not a directory")
@@ -131,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.rules,
             tuple(args.budgets),
             args.repeats,
+            record=ResultLog(args.out / "policies.jsonl").write,
         )
     header = (
         f"{len(prompts)} {args.source} prompts x {args.max_new_tokens} tokens, T=0, "
@@ -155,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
         run_id = tracked.run_id
     print(table)
-    print(f"\nMLflow run {run_id} at {tracking_uri()}")
+    print(f"\nMLflow run {run_id} at {tracking_uri()}; scores in {args.out / 'policies.jsonl'}")
+    raise_failures("bench_tree", bench.failures)  # after every other result is out
     return {"bench": bench}
 
 

@@ -2,7 +2,7 @@
 
 For every reference sequence: the draft's and the target's probabilities of each reference token
 (at --temperature), the experts the target's router selected for it, and the target's routing of
-counterfactual junk tails (DESIGN sections 3-4), written as Parquet tables sequences/, tokens/,
+counterfactual junk tails (docs/contract.md), written as Parquet tables sequences/, tokens/,
 tails/ under --out.
 Resumable: a rerun with the same parameters skips the shards already written.
 

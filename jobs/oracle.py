@@ -2,7 +2,7 @@
 speedup bound per Lmax, delta space and the boundary slope lambda, and the alpha = 0 ablation.
 
 Reads the extraction's tables (tokens, tails, sequences) and a calibrated costmodel.json;
-writes decisions.parquet and summary.parquet (DESIGN section 4), lmax_sweep.csv/.png,
+writes decisions.parquet and summary.parquet (docs/contract.md, section 2), lmax_sweep.csv/.png,
 delta_space.png, policy.json (lambda, for the online `marginal` policy) and
 ablation_alpha0.json under --out. Sequences are solved in parallel Ray tasks.
 

@@ -12,9 +12,11 @@ serving.auth         optional API-key (Bearer) auth; /healthz stays open
 serving.errors       OpenAI-shaped errors, the catch-all that keeps tracebacks from clients
 serving.batched_worker  continuous batching: packed forwards for every generation, seats
 serving.worker       the replica's decoding thread at max_batch=1: round robin, heartbeat
+serving.prepare      a parsed request as a Job: prompts, policy, limits, seeds, deadline
 serving.generation   a request's generations on that thread, answered as a body or a stream
 serving.metrics      Ray metrics (Prometheus): requests, latency, tokens, speculation
 serving.app          the FastAPI ingress deployment, the app builder (`serve run serving.app:app`)
 serving.bench        the serving benchmark's harness (jobs.bench_serve)
 serving.sweep        the concurrency sweep's harness (jobs.bench_serve_sweep)
+serving.sweep_report the sweep's table and files
 """

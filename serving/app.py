@@ -19,7 +19,6 @@ policy's knobs), max_tokens, the number of choices, and a deadline.
 import asyncio
 import importlib
 import logging
-import secrets
 import time
 from typing import Any
 
@@ -30,32 +29,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import Application
 
-from pipeline.data.prompts import encode
 from pipeline.decode.batched import BatchedEngine
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
-from pipeline.decode.policies.limits import StepLimitError, check_step_limits
-from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 from serving import generation
 from serving.auth import install_auth, set_api_key
 from serving.batched_worker import BatchedDecodeWorker
-from serving.chat import render_chat
 from serving.errors import RequestError, install_error_handlers
-from serving.generation import Choice, Job
+from serving.generation import Job
 from serving.metrics import ServingMetrics
-from serving.protocol import (
-    check_token_ids,
-    new_chat_id,
-    new_completion_id,
-    now,
-    parse_chat_request,
-    parse_request,
-    read_json,
-    resolve_max_tokens,
-)
+from serving.prepare import prepare_job
+from serving.protocol import parse_chat_request, parse_request, read_json
+from serving.responses import now
 from serving.settings import AppArgs
-from serving.speculation import build_policy, default_spec, policy_names
+from serving.speculation import default_spec, policy_names
 from serving.worker import DecodeWorker
 
 log = logging.getLogger("ray.serve")
@@ -263,75 +251,17 @@ class SpecboundServer:
         return record
 
     def _prepare(self, req: Any, kind: str, arrived: float) -> Job:
-        count = req.n * (1 if kind == "chat" else len(req.prompts))
-        if count > self.args.max_choices:  # before any tokenizing
-            raise RequestError(
-                f"{count // req.n} prompt(s) x n = {req.n} asks for {count} generations; "
-                f"this server allows at most {self.args.max_choices} per request",
-                "n",
-            )
-        if kind == "chat":
-            prompts = [render_chat(self.tokenizer, req.chat_messages)]
-            params = ["messages"]
-        else:
-            prompts, params = [], [req.prompt_param(i) for i in range(len(req.prompts))]
-            for prompt, param in zip(req.prompts, params, strict=True):
-                if isinstance(prompt, str):
-                    prompts.append(encode(self.tokenizer, prompt))
-                else:
-                    check_token_ids(prompt, self.vocab, param)
-                    prompts.append(list(prompt))
-        name, knobs = (
-            req.speculation_spec if req.speculation is not None else default_spec(self.artifacts)
-        )
-
-        def make_policy():
-            return build_policy(name, knobs, self.artifacts, self.artifacts_error)
-
-        policy = make_policy()
-        try:
-            check_step_limits(policy, self.limits)
-        except StepLimitError as exc:
-            raise RequestError(str(exc), "speculation", code="step_limit_exceeded") from None
-        # The last step may draft and verify this far past max_tokens: it must fit too.
-        work = policy.step_work()
-        lookahead = max(work.verified - 1, work.draft_forwards)
-        # A chat request without a limit generates until the context (or the server's limit).
-        max_tokens = min(
-            resolve_max_tokens(
-                req,
-                len(ids),
-                self.context,
-                self.args.max_tokens_limit,
-                self.args.max_tokens_limit,
-                param,
-                lookahead,
-            )
-            for ids, param in zip(prompts, params, strict=True)
-        )
-        # Without a seed every request samples differently (the engine would default to 0);
-        # choice i of a seeded request uses seed + i, so n > 1 choices differ.
-        seed = req.seed if req.seed is not None else secrets.randbits(63)
-        choices = [
-            Choice(p * req.n + j, p, ids, (seed + p * req.n + j) % (1 << 63))
-            for p, ids in enumerate(prompts)
-            for j in range(req.n)
-        ]
-        timeout = min(req.timeout_s or self.args.request_timeout_s, self.args.request_timeout_s)
-        cid = new_chat_id() if kind == "chat" else new_completion_id()
-        return Job(
+        return prepare_job(
+            req,
             kind,
-            cid,
-            now(),
-            self.args.model_name,
-            choices,
-            make_policy,
-            name,
-            knobs,
-            max_tokens,
-            SamplingConfig(req.temperature, req.top_p),
-            req.stops,
-            arrived + timeout,
+            arrived,
+            self.tokenizer,
+            self.vocab,
+            self.context,
+            self.args,
+            self.limits,
+            self.artifacts,
+            self.artifacts_error,
         )
 
 

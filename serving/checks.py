@@ -3,12 +3,20 @@ prompt and max_tokens within the context and the server's limit."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from serving.errors import RequestError
 
-if TYPE_CHECKING:
-    from serving.protocol import ChatCompletionRequest, CompletionRequest
+
+class AsksForTokens(Protocol):
+    """What resolve_max_tokens reads of a request (serving.protocol's completion and chat
+    requests both have it); a protocol so the request models can import these checks."""
+
+    @property
+    def requested_max_tokens(self) -> int | None: ...
+
+    @property
+    def max_tokens_param(self) -> str: ...
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -59,7 +67,7 @@ def check_lengths(
 
 
 def resolve_max_tokens(
-    req: CompletionRequest | ChatCompletionRequest,
+    req: AsksForTokens,
     prompt_tokens: int,
     context: int,
     max_tokens_limit: int,

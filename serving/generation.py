@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.decode.stats import speculation_stats
 from pipeline.decode.types import Generation, SamplingConfig
 from serving.errors import RequestError, error_body
-from serving.protocol import chat_body, completion_choices_body, sse, usage
+from serving.responses import chat_body, completion_choices_body, sse, usage
 from serving.worker import DecodeTask, DecodeWorker
 
 log = logging.getLogger("ray.serve")

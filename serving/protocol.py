@@ -1,7 +1,7 @@
 """The HTTP contract of the endpoint: strict pydantic request models for /v1/completions and
 /v1/chat/completions, the request body read and checked here (size, UTF-8, JSON: FastAPI's
-errors for these cases are generic), the checks that need the model (token ids, context
-length), and (re-exported from serving.responses) the response bodies. Strict types:
+errors for these cases are generic), with the checks that need the model in serving.checks
+and the response bodies in serving.responses. Strict types:
 "max_tokens": "5" is an error, not 5. Every refusal is a RequestError (400) whose message and
 param name the offending item, down to "prompt[1]" or "messages[0].content[2].text"."""
 
@@ -20,7 +20,6 @@ from pydantic import (
     field_validator,
 )
 
-from serving.checks import check_lengths, check_token_ids, resolve_max_tokens  # noqa: F401
 from serving.errors import RequestError, validation_message
 from serving.fields import (
     FieldError,
@@ -29,16 +28,6 @@ from serving.fields import (
     check_stop,
     check_text,
     param_name,
-)
-from serving.responses import (  # noqa: F401  (callers import these from here)
-    FINISH_REASONS,
-    chat_body,
-    completion_choices_body,
-    new_chat_id,
-    new_completion_id,
-    now,
-    sse,
-    usage,
 )
 from serving.speculation import DEFAULT_KNOBS, DEFAULT_POLICY
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.decode.policies.limits import StepLimits
+from pipeline.decode.step_limits import StepLimits
 
 
 class AppArgs(BaseModel):
@@ -32,7 +32,7 @@ class AppArgs(BaseModel):
     # policies' declared step work; one generation alone always runs), so one step of the
     # batch costs about what the heaviest request alone would.
     max_batch_positions: int = Field(256, ge=1)
-    # Work of one engine step, jointly over a policy's knobs (pipeline.decode.policies.limits).
+    # Work of one engine step, jointly over a policy's knobs (pipeline.decode.step_limits).
     max_draft_forwards_per_step: int = Field(StepLimits.max_draft_forwards, ge=1)
     max_draft_tokens_per_step: int = Field(StepLimits.max_draft_tokens, ge=1)
     max_verified_per_step: int = Field(StepLimits.max_verified, ge=2)

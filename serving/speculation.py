@@ -16,7 +16,7 @@ from serving.errors import RequestError
 
 log = logging.getLogger("ray.serve")
 
-# The fastest overall in issue 16's benchmark on the served pair (docs/online.md: three runs,
+# The fastest overall in the domain benchmark on the served pair (docs/online.md: three runs,
 # T = 0 and 1; 1.19-1.22x the best fixed K at T = 0, where `specdec` reaches 1.06-1.08x, and
 # 0.91-0.94x at T = 1, where `specdec` reaches 0.98-0.99x); its acceptance model is the
 # committed models/acceptance.json.

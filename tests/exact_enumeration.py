@@ -217,11 +217,21 @@ def _paths(
 
 
 def enumerate_outputs(
-    pair: ModelPair, prompt: list[int], policy: Policy, sampling: SamplingConfig, n: int
+    pair: ModelPair,
+    prompt: list[int],
+    policy: Policy,
+    sampling: SamplingConfig,
+    n: int,
+    prepare: Callable[[DecodeSession], None] | None = None,
 ) -> Enumeration:
-    """The exact distribution of the first ``n`` tokens the engine generates."""
+    """The exact distribution of the first ``n`` tokens the engine generates. ``prepare``
+    adjusts the fresh session before its first step (e.g. what its drafter shows a policy of
+    a batch around it); whatever it attaches is copied with the session, so it is part of
+    each path's state."""
     pair = dataclasses.replace(pair, draft=MemoDraft(pair.draft))
     start = SpeculativeEngine(pair).start(prompt, policy, sampling, rng=ScriptedRandom())
+    if prepare is not None:
+        prepare(start)
     shared = _shared(start)
     stats = Enumeration(defaultdict(float))
     frontier: dict[Any, tuple[float, DecodeSession]] = {}

@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass
 
 from pipeline.decode.policies.base import Policy
-from pipeline.decode.policies.limits import StepWork
 from pipeline.decode.policies.registry import register_policy
+from pipeline.decode.step_limits import StepWork
 
 STALL = threading.Event()  # never set: the wait ends only with the process
 

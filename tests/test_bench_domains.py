@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.bench.domains import ALL, domain_metrics, domain_table, format_domain_summary
-from pipeline.bench.online import BenchRow
+from pipeline.bench.rows import BenchRow
 from pipeline.bench.scoring import OnlineBenchResult
 from pipeline.models.loading import REPO_ROOT
 

@@ -1,5 +1,5 @@
-"""A cost model says what it was measured on and refuses other setups unless told to go on
-(issue 13, defect 7): checkpoint fingerprints, the check, its override, old files, the
+"""A cost model says what it was measured on and refuses other setups unless told to go on:
+checkpoint fingerprints, the check, its override, old files, the
 committed model against the embedded pair, and the m coverage checked at load."""
 
 from __future__ import annotations
@@ -165,3 +165,13 @@ def test_manifest_provenance_compares_what_the_manifest_records(checkpoints):
         {**manifest, "target": "/gone/target", "target_fingerprint": "sha256:0000"}
     )
     assert "target_fingerprint" in other.provenance_mismatches(recorded)
+
+
+def test_a_broken_batch_section_is_refused_at_load():
+    """The batch > 1 section is checked when the file is read, not when a batch first needs
+    it (an unreachable check once let a broken section load)."""
+    data = json.loads(DEFAULT_COSTMODEL.read_text())
+    assert CostModel.from_json(data).batch is not None
+    del data["batch"]["b_union"]
+    with pytest.raises(ValueError, match="not a specbound cost model.*b_union"):
+        CostModel.from_json(data)

@@ -1,4 +1,4 @@
-"""Extraction rows are what DESIGN section 3 says they are, checked against direct forwards."""
+"""Extraction rows are what docs/contract.md says they are, checked against direct forwards."""
 
 from __future__ import annotations
 

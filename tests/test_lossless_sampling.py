@@ -9,19 +9,28 @@ about 0.05 with 80% probability. The same harness shows the bias of the old `con
 (sample x ~ q, then drop it when q(x) < threshold).
 
 A policy registered later is covered with its declared defaults unless SMALL_KNOBS gives it
-cheaper ones (the harness refuses a policy that needs too many runs).
+cheaper ones (the harness refuses a policy that needs too many runs). `batch`, the one policy
+whose lengths depend on the batch it is in, is also enumerated planning with a neighbour in a
+batch of two (the last test).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import dataclasses
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
+from pipeline.cost.batch import BatchCost
 from pipeline.cost.model import CostModel
+from pipeline.decode.batch_economy import BatchEconomy
+from pipeline.decode.batching import BatchRecord
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
@@ -174,3 +183,95 @@ def test_the_harness_catches_the_old_confidence_rule(pair, joint):
     err, tv, got = _check(pair, OldConfidencePolicy(), SAMPLING, joint)
     print(f"old confidence rule: max abs error {err:.4f}, TV {tv:.4f} over {got.paths} paths")
     assert tv > 0.01 and err > 100 * TOLERANCE, (err, tv)
+
+
+# --- `batch` at batch > 1 ----------------------------------------------------------------
+
+
+class _OneNeighbourEconomy(BatchEconomy):
+    """The batch economy of a batch of two, as the enumerated generation sees it: each of its
+    plans opens a step (the verification pass before it observed), planned with the
+    neighbour's acceptance by depth of the step before (``schedule``, cycled), after which
+    the neighbour asks for its own length. The enumerated generation asks under one fixed key
+    (the harness copies its policy, so ``id(policy)`` changes from copy to copy)."""
+
+    NEIGHBOUR, SELF = "neighbour", "enumerated"
+
+    def __init__(self, cost, schedule: list[list[float]], max_k: int) -> None:
+        super().__init__(cost)
+        self.schedule, self.max_k = schedule, max_k
+        super().plan(self.NEIGHBOUR, schedule[0], max_k, len(PROMPT))
+
+    def plan(self, key, accept: list[float], max_k: int, context: int) -> int:
+        self.observe(BatchRecord("target", 2, 2, [], 0, 0, 1.0))
+        k = super().plan(self.SELF, accept, max_k, context)
+        step = self._steps
+        neighbour = self.schedule[step % len(self.schedule)]
+        super().plan(self.NEIGHBOUR, neighbour, self.max_k, len(PROMPT) + step)
+        return k
+
+    def __deepcopy__(self, memo):  # the lock is not state (and cannot be copied)
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            if name != "_lock":
+                setattr(new, name, copy.deepcopy(value, memo))
+        new._lock = threading.Lock()
+        return new
+
+
+@dataclass
+class _Neighbourhood:
+    """What BatchPolicy reads of its drafter's batcher: the participants and the economy."""
+
+    economy: _OneNeighbourEconomy
+    participants: int = 2
+    economy_lock: Any = field(default_factory=nullcontext)
+
+
+# The neighbour's acceptance by depth over its steps: copying, then hopeless, then middling.
+NEIGHBOUR_SCHEDULE = [[0.95, 0.95], [0.1, 0.1], [0.6, 0.8]]
+
+
+def test_the_batch_policy_at_batch_two_samples_the_target_distribution_exactly(
+    pair, artifacts, joint
+):
+    """`batch` with a batch cost model and a neighbour in the batch takes its chain lengths
+    from the batch's plan (pipeline.decode.batch_economy), not from its batch-1 rule: each
+    step's plan weighs its own acceptance by depth against the neighbour's, the real
+    BatchEconomy and plan_lengths, enumerated exactly like every policy above. The neighbour's
+    acceptance follows a fixed schedule: whatever a neighbour does comes from its own draws
+    (independent of this generation's) and this generation's past, both known before this
+    generation's step draws, so exactness for every schedule is exactness in a real batch.
+    (What the harness cannot copy is the batched engine itself, threads and packed forwards:
+    that a generation in one decodes as it would alone is tests/test_batched_decoding.py.)"""
+    spec = pair.spec
+    batch = BatchCost(
+        b0=3.0,
+        b_pos=0.3,
+        b_union=0.4,
+        b_ctx=0.0,
+        d0=0.8,
+        d_tok=0.25,
+        s0=0.5,
+        s_row=0.7,
+        experts=spec.num_experts,
+        top_k=spec.top_k,
+        union_decay=0.9,
+    )
+    cost = dataclasses.replace(artifacts.cost, meta={"batch": batch.to_json()})
+    batched = dataclasses.replace(artifacts, cost=cost)
+    policy = _policy("batch", batched)
+    economy = _OneNeighbourEconomy(batch, NEIGHBOUR_SCHEDULE, policy.max_k)
+
+    def join(session) -> None:
+        session.drafter.batcher = _Neighbourhood(economy)
+
+    got = enumerate_outputs(pair, PROMPT, policy, SAMPLING, N_TOKENS, prepare=join)
+    assert sum(got.distribution.values()) == pytest.approx(1.0, abs=1e-9)
+    err, tv = compare(got.distribution, joint)
+    assert err < TOLERANCE, (err, tv, got.paths)
+    assert {0, 1, 2} <= set(got.proposal_sizes), got.proposal_sizes
+    # The plan decided: not the proposals of the same policy alone (its batch-1 rule).
+    _, _, alone = _check(pair, _policy("batch", batched), SAMPLING, joint)
+    assert got.proposal_sizes != alone.proposal_sizes, (got.proposal_sizes, alone.proposal_sizes)

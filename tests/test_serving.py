@@ -1,9 +1,10 @@
 """The Serve endpoint over real HTTP on the embedded models: the openai client (completion and
 stream), greedy output of every registered policy equal to plain greedy decoding, sampling that
 follows seed and top_p, /v1/models and /healthz, a matrix of bad inputs (each a 4xx JSON error
-naming the problem), a bounded load test, and a replica killed under load with retrying clients
-losing nothing. Also, without Ray: the incremental decoder against plain greedy decoding (and
-its own decoded tokens), cancellation between steps, and serve_config.yaml as a Serve config.
+naming the problem), a bounded load test whose seeded texts are the library's for each seed,
+and a replica killed under load with retrying clients losing nothing. Also, without Ray: the
+incremental decoder against plain greedy decoding (and its own decoded tokens), cancellation
+between steps, and serve_config.yaml as a Serve config.
 
 Timing: no assertion depends on how fast the machine is. The port is held until the proxy
 binds it; the disconnect test runs a generation far longer than a disconnect takes to arrive;
@@ -279,27 +280,6 @@ def test_stop_string_ends_text_and_stream_alike(client, pair):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("policy", "knobs"), [("fixed", {"k": 4}), ("tree", {"depth": 3, "branch": 2, "gamma": 6})]
-)
-def test_greedy_over_http_equals_plain_greedy(server, pair, policy, knobs):
-    for prompt in [*PROMPTS, *(p.text for p in load_prompts("humaneval", 2))]:
-        ref_tokens, ref_text = _plain_greedy(pair, prompt, 32)
-        body = {
-            "prompt": prompt,
-            "max_tokens": 32,
-            "temperature": 0,
-            "speculation": {"policy": policy, **knobs},
-        }
-        out, elapsed_ms = _timed_post(server, body)
-        assert out["choices"][0]["text"].encode() == ref_text.encode()
-        assert out["usage"]["completion_tokens"] == len(ref_tokens)
-        assert out["usage"]["prompt_tokens"] == len(_ids(pair, prompt))
-        assert out["speculation"]["policy"] == policy
-        _check_stats(out["speculation"], len(ref_tokens), pair.spec, elapsed_ms)
-
-
-@pytest.mark.slow
 def test_client_disconnect_stops_the_generation(server):
     """The abandoned generation is counted cancelled, never completed. Timing margin, not a
     race: it would run MAX_TOKENS_LIMIT plain steps (about 10 s on this 2-core machine, 256
@@ -529,28 +509,35 @@ def test_every_registered_policy_s_knobs_are_validated_over_http(server):
                 assert error["param"] == param, error
 
 
+# Knobs sent through the speculation field beside every policy's defaults.
+HTTP_KNOB_CASES = [("fixed", {"k": 4}), ("tree", {"depth": 3, "branch": 2, "gamma": 6})]
+
+
 @pytest.mark.slow
 def test_every_listed_policy_answers_with_plain_greedy_text(server, pair):
-    """Every policy the server lists, the cost-aware ones (ecospec, ecospec-global, marginal,
-    cascade) on the artifacts committed under models/, answers 200 at T = 0 with plain greedy
-    decoding's text: a broken artifact loader is a failure here, not a tolerated 500."""
+    """Every policy the server lists at its defaults, the cost-aware ones (ecospec,
+    ecospec-global, marginal, cascade) on the artifacts committed under models/, and the
+    HTTP_KNOB_CASES, answers 200 at T = 0 with plain greedy decoding's text, its token counts
+    and consistent statistics: a broken artifact loader is a failure here, not a tolerated
+    500."""
     names = httpx.get(f"{server}/v1/models", timeout=30).json()["data"][0]["policies"]
     assert set(names) == set(POLICIES)
     for prompt in PROMPTS:
         ref_tokens, ref_text = _plain_greedy(pair, prompt, 16)
-        for name in names:
+        for name, knobs in [*((name, {}) for name in names), *HTTP_KNOB_CASES]:
             out, elapsed_ms = _timed_post(
                 server,
                 {
                     "prompt": prompt,
                     "max_tokens": 16,
                     "temperature": 0,
-                    "speculation": {"policy": name},
+                    "speculation": {"policy": name, **knobs},
                 },
             )
             assert out["speculation"]["policy"] == name
-            assert out["choices"][0]["text"] == ref_text, (name, prompt)
-            assert out["usage"]["completion_tokens"] == len(ref_tokens), name
+            assert out["choices"][0]["text"].encode() == ref_text.encode(), (name, knobs, prompt)
+            assert out["usage"]["completion_tokens"] == len(ref_tokens), (name, knobs)
+            assert out["usage"]["prompt_tokens"] == len(_ids(pair, prompt)), (name, knobs)
             _check_stats(out["speculation"], len(ref_tokens), pair.spec, elapsed_ms)
 
 
@@ -599,25 +586,42 @@ def _percentiles(latencies: list[float]) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_load_concurrent_clients(server, record_property):
+def test_load_concurrent_clients(server, pair, record_property):
+    """32 seeded T = 1 requests from 8 concurrent clients, so the replica decodes them
+    continuously batched: every one answers 200 with the library's text for its seed, the
+    server's default policy decoded alone in-process (a policy that decides from its own
+    generation draws in a batch what it draws alone: tests/test_batched_decoding.py)."""
     clients, total = 8, 32
     bodies = [
         {"prompt": PROMPTS[i % 2], "max_tokens": 16, "temperature": 1.0, "seed": i}
         for i in range(total)
     ]
 
-    def one(body: dict) -> tuple[int, float]:
+    def one(body: dict) -> tuple[int, float, str]:
         started = time.perf_counter()
         r = _post(server, body, timeout=180)
-        return r.status_code, time.perf_counter() - started
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        return r.status_code, time.perf_counter() - started, text
 
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(one, bodies))
     wall = time.perf_counter() - started
-    errors = [status for status, _ in results if status != 200]
+    errors = [(status, text) for status, _, text in results if status != 200]
     assert not errors, errors
-    p50, p99 = _percentiles([t for _, t in results])
+    name, knobs = default_spec(load_artifacts())  # the requests name no policy
+    assert name != "batch", "`batch` plans with its neighbours: name another policy here"
+    engine = SpeculativeEngine(pair)
+    for body, (_, _, text) in zip(bodies, results, strict=True):
+        library = engine.generate(
+            _ids(pair, body["prompt"]),
+            make_policy(name, **knobs),
+            body["max_tokens"],
+            SamplingConfig(body["temperature"]),
+            seed=body["seed"],
+        )
+        assert text == library.text, (body, text, library.text)
+    p50, p99 = _percentiles([t for _, t, _ in results])
     line = (
         f"load: {total} requests, {clients} clients, max_tokens 16: {total / wall:.2f} req/s, "
         f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, 0 errors"

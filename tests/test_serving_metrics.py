@@ -4,8 +4,10 @@ agent, where every series must show up with the recorded values (names with Ray'
 prefix, Serve's deployment/application labels, labels bounded to known values).
 
 Timing: values reach the agent at Ray's metrics report interval (lowered to 1 s here); the
-scrape polls until every expected sample is there, with a generous liveness bound. Then the
-test outwaits the agent's lifetime of an unreported gauge (20 s) to see the gauges kept alive."""
+scrape polls until every expected sample is there, with a generous liveness bound. Then, to see
+the gauges kept alive past the agent's lifetime of an unreported gauge (about 20 s), it polls
+until a gauge set once, after them, has aged out (bounded: past the deadline it fails saying
+the agent no longer drops one)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
+from ray.serve.metrics import Gauge
 
 from pipeline.decode.types import StepRecord
 from serving.metrics import ServingMetrics, scrape_metrics, start_ray_with_metrics
@@ -21,6 +24,7 @@ from serving.metrics import ServingMetrics, scrape_metrics, start_ray_with_metri
 APP = "metrics-test"
 SCRAPE_DEADLINE_S = 60
 GAUGE_LIFETIME_S = 20
+SET_ONCE = "specbound_test_set_once"  # a gauge the recorder sets once, never again
 
 Labels = dict[str, str]
 Samples = list[tuple[str, Labels, float]]
@@ -42,6 +46,21 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     """The sum over the series of ``name`` whose labels include ``labels`` (None: none)."""
     found = [v for n, ls, v in samples if n == name and labels.items() <= ls.items()]
     return sum(found) if found else None
+
+
+def until_gone(url: str, name: str, labels: Labels, deadline_s: float) -> float:
+    """Scrape until ``name`` has no sample with ``labels``; the seconds that took. Past the
+    deadline, a failure that says why the caller needed it gone."""
+    started = time.monotonic()
+    while value(scrape(url), name, **labels) is not None:
+        waited = time.monotonic() - started
+        assert waited < deadline_s, (
+            f"{name}, set once, was still exported {waited:.0f} s later: the agent no longer "
+            f"drops a gauge that is not reported (lifetime ~{GAUGE_LIFETIME_S} s), so this "
+            "test cannot see whether ServingMetrics keeps its gauges alive"
+        )
+        time.sleep(1)
+    return time.monotonic() - started
 
 
 def until_exported(
@@ -99,6 +118,7 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
     class Recorder:
         def __init__(self) -> None:
             self.metrics = ServingMetrics()
+            self.once = Gauge(SET_ONCE, description="set once, then left to age out")
 
         def record(self) -> None:
             m = self.metrics
@@ -121,10 +141,10 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
             m.generation("no-such-policy", [], 1, 1, "whatever", None)
             m.queue(3)
             m.stalled(True)
+            self.once.set(1.0, {})  # after ServingMetrics' gauges: it ages out no sooner
 
     handle = serve.run(Recorder.bind(), name=APP, route_prefix=None)
     handle.record.remote().result(timeout_s=60)
-    recorded = time.monotonic()
 
     app = {"application": APP}
     ours = {"application": APP, "policy": "fixed"}
@@ -187,6 +207,7 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
 
         assert value(s, "ray_specbound_queue_depth", **app) == 3
         assert value(s, "ray_specbound_stalled", **app) == 1
+        assert value(s, f"ray_{SET_ONCE}", **app) == 1
 
     # The helper the endpoint's tests use: a counter, a histogram by base name, a gauge.
     names = [
@@ -198,9 +219,11 @@ def test_metrics_reach_prometheus(cluster: str) -> None:
     with pytest.raises(TimeoutError, match="ray_specbound_nothing"):
         scrape_metrics(["ray_specbound_nothing"], timeout_s=0, url=cluster)
     until_exported(cluster, check)
-    # The agent drops a gauge series not reported for 2 intervals (20 s: its own default);
-    # ServingMetrics keeps setting them, and counters and histograms never expire.
-    time.sleep(max(0.0, recorded + GAUGE_LIFETIME_S + 5 - time.monotonic()))
+    # The agent drops a gauge series not reported for its lifetime (~20 s): once the gauge set
+    # once (after ServingMetrics' gauges were first set) is gone, theirs would be gone too had
+    # they not been set again. ServingMetrics keeps setting them; counters and histograms
+    # never expire.
+    until_gone(cluster, f"ray_{SET_ONCE}", app, GAUGE_LIFETIME_S + SCRAPE_DEADLINE_S)
     s = scrape(cluster)
     assert value(s, "ray_specbound_queue_depth", **app) == 3
     assert value(s, "ray_specbound_stalled", **app) == 1

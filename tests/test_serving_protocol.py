@@ -24,18 +24,14 @@ from pipeline.data.prompts import encode
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_tokenizer
 from serving.auth import api_key, install_auth, set_api_key
 from serving.chat import render_chat, render_chat_text
+from serving.checks import check_lengths, check_token_ids, resolve_max_tokens
 from serving.errors import RequestError, install_error_handlers
-from serving.protocol import (
-    MAX_N,
+from serving.protocol import MAX_N, parse_chat_request, parse_request
+from serving.responses import (
     chat_body,
-    check_lengths,
-    check_token_ids,
     completion_choices_body,
     new_chat_id,
     new_completion_id,
-    parse_chat_request,
-    parse_request,
-    resolve_max_tokens,
     sse,
     usage,
 )

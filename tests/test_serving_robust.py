@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from pipeline.decode.policies.limits import StepLimitError, StepLimits, check_step_limits
 from pipeline.decode.policies.registry import make_policy
+from pipeline.decode.step_limits import StepLimitError, StepLimits, check_step_limits
 from tests.serving_support import one_thread_pair, plain_greedy, serve_apps, wait_healthy
 
 pytestmark = pytest.mark.slow

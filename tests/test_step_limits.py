@@ -1,4 +1,4 @@
-"""A step's work is bounded jointly over a policy's knobs (issue 14): every registered policy
+"""A step's work is bounded jointly over a policy's knobs: every registered policy
 declares an upper bound on one step's draft forwards, draft tokens and verified positions
 (``step_work``) that real steps never exceed; a server's StepLimits refuse knobs whose product
 is too much (tree depth 64 x branch 64) before decoding; the drafter and the engine stop a
@@ -19,16 +19,16 @@ from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, KnobError
-from pipeline.decode.policies.limits import (
+from pipeline.decode.policies.registry import POLICIES, make_policy
+from pipeline.decode.policies.simple import FixedPolicy
+from pipeline.decode.policies.tree import TreePolicy
+from pipeline.decode.step_limits import (
     StepLimitError,
     StepLimitExceeded,
     StepLimits,
     StepWork,
     check_step_limits,
 )
-from pipeline.decode.policies.registry import POLICIES, make_policy
-from pipeline.decode.policies.simple import FixedPolicy
-from pipeline.decode.policies.tree import TreePolicy
 from pipeline.decode.types import Candidates, SamplingConfig
 from tests.test_engine import perturbed_pair
 from tests.test_policy_registry import synthetic_artifacts

@@ -1,8 +1,9 @@
 """Our `throughput` policy and the two dynamic-length peers added beside it (`adaedl`,
 `specdec`): their rules do what they say at the extremes, speculation switches itself off
-when acceptance is hopeless (with periodic probes), the declared step work holds, and greedy
-text equals plain greedy on the embedded models with the committed artifacts. (Losslessness
-under sampling and knob validation: the registry-wide tests.)"""
+when acceptance is hopeless (with periodic probes), the declared step work holds, the rate
+and the online logit correction are what their definitions give for the steps taken.
+(Greedy text equal to plain greedy, on the embedded models with the committed artifacts
+among others, losslessness under sampling and knob validation: the registry-wide tests.)"""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ import pytest
 
 from pipeline.acceptance.features import FEATURE_NAMES
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
-from pipeline.data.references import greedy_continuation
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.adaedl import AdaEDLPolicy
 from pipeline.decode.policies.artifacts import load_artifacts
-from pipeline.decode.policies.limits import StepLimits
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.policies.specdec import SpecDecPolicy
 from pipeline.decode.policies.throughput import ThroughputPolicy
+from pipeline.decode.step_limits import StepLimits
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import load_pair
 
@@ -81,22 +81,45 @@ def test_certain_acceptance_drafts_the_longest_chain(pair, ids, artifacts):
     assert [s.draft_forwards for s in session.steps] == [5] * 4  # no look past the chain
 
 
+def _stationary_rate(cost, union, max_k: int, a: float, ctx: int) -> float:
+    """The module's definition, from the cost model alone: the least modelled ms per token of a
+    chain of n = 0 .. max_k tokens, each accepted with probability a, at context ``ctx``."""
+    best, tokens = cost.t_target(1, union(1), ctx), 1.0
+    for n in range(1, max_k + 1):
+        tokens += a**n
+        best = min(best, (cost.t_draft(n) + cost.t_target(n + 1, union(n + 1), ctx)) / tokens)
+    return best
+
+
 def test_the_rate_starts_at_the_stationary_optimum_and_follows_the_steps(pair, ids, artifacts):
+    """The rate after each step is the ratio of the decayed sums of the steps' modelled prices
+    (the cost model at each step's context, with the experts it verified) and of their new
+    tokens, both starting from PRIOR_TOKENS tokens at the stationary optimum of the training
+    mean: recomputed here from the step records, it must match every decision."""
+    from pipeline.decode.policies.throughput import PRIOR_TOKENS, RATE_DECAY
+
     policy = make_policy("throughput", artifacts)
     session = _run(pair, ids, policy, 6)
-    prior = policy.stationary_rate(artifacts.acceptance.mode(True).prior)
-    plain = policy.cost.t_target(1, artifacts.acceptance.union(1), len(ids))
+    cost, union = policy.cost, artifacts.acceptance.union
+    prior = _stationary_rate(
+        cost, union, policy.max_k, policy.acceptance.mode(True).prior, len(ids)
+    )
+    plain = cost.t_target(1, union(1), len(ids))
     assert prior < plain  # the committed pair's speculation pays at its training mean
     assert len(policy.decisions) == len(session.steps) == 6
-    assert all(rate > 0 for _, _, rate in policy.decisions)
+    prices, tokens, ctx = PRIOR_TOKENS * prior, PRIOR_TOKENS, len(ids)
+    for step, (kind, drafted, rate) in zip(session.steps, policy.decisions, strict=True):
+        price = cost.t_draft(step.draft_forwards) + cost.t_target(step.verified, step.u_bar, ctx)
+        prices, tokens = RATE_DECAY * prices + price, RATE_DECAY * tokens + step.new_tokens
+        assert (kind, drafted) == ("draft" if step.drafted else "plain", step.drafted)
+        assert rate == pytest.approx(prices / tokens, rel=1e-9), (step, rate, prices / tokens)
+        ctx += step.new_tokens
+    assert policy.achieved_rate() == pytest.approx(prices / tokens, rel=1e-9)
     assert policy.achieved_rate() != pytest.approx(prior)  # it moved with what happened
-
-
-@pytest.mark.parametrize("name", ["throughput", "specdec", "adaedl"])
-def test_greedy_text_equals_plain_greedy_on_the_embedded_models(name, pair, ids, artifacts):
-    gen = SpeculativeEngine(pair).generate(ids, make_policy(name, artifacts), 24, stop_at_eos=False)
-    assert gen.tokens == greedy_continuation(pair.target, ids, 24, eos_id=None)
-    assert sum(s.accepted for s in gen.steps) > 0
+    # A fixed rate (the knob) is the rate of every decision, whatever the steps made.
+    fixed = make_policy("throughput", artifacts, rate=2.5)
+    _run(pair, ids, fixed, 3)
+    assert [rate for _, _, rate in fixed.decisions] == [2.5] * 3
 
 
 def test_adaedl_thresholds_at_the_extremes(pair, ids):
@@ -123,26 +146,70 @@ def test_policies_without_an_acceptance_model_say_how_to_get_one(artifacts):
             make_policy(name, bare)
 
 
+class _ShiftedDraft:
+    """A model whose every next-token distribution is another's moved up by one token id: its
+    argmax is never the other's, so at T = 0 each drafted token is rejected."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        out.logits = out.logits.roll(1, dims=-1)
+        return out
+
+
+def _replayed_offset(steps, bias: float, adapt: float) -> float:
+    """The online correction recomputed from the steps (throughput.py, ``update``): each
+    judged token (the accepted ones and the first rejected) moves the logit offset by
+    adapt * (outcome - P(accept)), P(accept) = sigmoid(bias + offset) for every token of a
+    step (the constant model), the offset clipped to +-MAX_OFFSET after each step."""
+    from pipeline.acceptance.features import logistic
+    from pipeline.decode.policies.throughput import MAX_OFFSET
+
+    offset = 0.0
+    for s in steps:
+        predicted = logistic(bias + offset)
+        for j in range(min(s.drafted, s.accepted + 1)):
+            offset += adapt * ((j < s.accepted) - predicted)
+        offset = max(-MAX_OFFSET, min(MAX_OFFSET, offset))
+    return offset
+
+
 def test_online_correction_moves_the_logit_towards_the_outcomes(pair, ids, artifacts):
-    # The model says 4 in 5 whatever happens: the offset follows what did, stays within its
-    # bound, and is off at adapt = 0.
-    off = ThroughputPolicy(artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3, adapt=0.0)
+    # The model says 4 in 5 whatever happens: the offset follows what did (exactly, step by
+    # step), stays within its bound, and is off at adapt = 0.
+    def policy(adapt: float) -> ThroughputPolicy:
+        acceptance = _constant_acceptance(artifacts, 1.4)
+        return ThroughputPolicy(artifacts.cost, acceptance, max_k=3, adapt=adapt)
+
+    off = policy(0.0)
     _run(pair, ids, off, 6)
     assert off._offset == 0.0
-    policy = ThroughputPolicy(
-        artifacts.cost, _constant_acceptance(artifacts, 1.4), max_k=3, adapt=0.5
-    )
-    session = _run(pair, ids, policy, 6)
-    judged = [(min(s.drafted, s.accepted + 1), s.accepted) for s in session.steps]
-    hits = sum(a for _, a in judged)
-    misses = sum(j - a for j, a in judged)
-    assert hits + misses > 0 and abs(policy._offset) <= 3.0
-    # Each judged token moves the logit by adapt * (outcome - predicted), predicted in (0, 1).
-    if misses == 0:
-        assert policy._offset > 0
-    elif hits == 0:
-        assert policy._offset < 0
-    assert policy._offset != 0.0
+    mixed = policy(0.5)
+    session = _run(pair, ids, mixed, 6)
+    assert sum(s.drafted for s in session.steps) > 0
+    assert mixed._offset == pytest.approx(_replayed_offset(session.steps, 1.4, 0.5), abs=1e-12)
+    assert abs(mixed._offset) <= 3.0
+    # Outcomes known in advance fix the sign: outcome - predicted is > 0 for every accepted
+    # token and < 0 for every rejected one, predicted being in (0, 1). The target drafting for
+    # itself has every judged token accepted: the offset rises. A draft whose argmax is never
+    # the target's has every judged token rejected: it falls.
+    for draft, sign in ((pair.target, 1), (_ShiftedDraft(pair.target), -1)):
+        rigged = replace(pair, draft=draft)
+        correction = policy(0.5)
+        steps = _run(rigged, ids, correction, 4).steps
+        judged = [(min(s.drafted, s.accepted + 1), s.accepted) for s in steps]
+        hits, misses = sum(a for _, a in judged), sum(j - a for j, a in judged)
+        if sign > 0:
+            assert hits > 0 and misses == 0, judged
+        else:
+            assert misses > 0 and hits == 0, judged
+        assert correction._offset * sign > 0, (sign, correction._offset, judged)
+        assert correction._offset == pytest.approx(_replayed_offset(steps, 1.4, 0.5), abs=1e-12)
 
 
 def test_retiming_scales_each_side_by_measured_over_modelled(artifacts):

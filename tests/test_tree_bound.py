@@ -1,4 +1,4 @@
-"""The tree bound (issue 18): selection rules, the solver against brute force, the exact
+"""The tree bound: selection rules, the solver against brute force, the exact
 reduction to the chain bound when the rule builds a chain, and the extracted trees pricing
 exactly what the online tree policies verify, step by step."""
 

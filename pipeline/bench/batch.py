@@ -6,15 +6,23 @@ repeats, so the machine's drift slows every cell alike; each cell reports output
 repeat, their mean and spread, and its ratio to the best fixed K at the same batch size (the
 best one in that run). Batch size 1 runs the same batched code with one generation at a time:
 what a replica without batching decodes.
+
+Every policy is built before anything decodes (a cost-aware one checks there that its cost
+model prices the chains it may draft); the bench itself prices no step with the cost model,
+so nothing else needs covering. A cell whose decoding fails is marked failed and leaves the
+remaining repeats, the other cells go on; ``record`` gets every repeat's result (or the
+failure) as it is done.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.bench.guard import PolicyFailure, failure_lines
 from pipeline.decode.batched import BatchedEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.registry import make_policy
@@ -30,6 +38,7 @@ class BatchCell:
     knobs: dict
     tok_s: list[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    failed: PolicyFailure | None = None  # the cell's decoding failed: left out of the table
 
     @property
     def mean(self) -> float:
@@ -50,7 +59,13 @@ def bench_batch(
     repeats: int,
     artifacts: PolicyArtifacts | None,
     progress=print,
+    record: Callable[[dict], None] = lambda result: None,
 ) -> list[BatchCell]:
+    for name, knobs in specs:  # every policy builds before anything decodes
+        try:
+            make_policy(name, artifacts, **knobs)
+        except ValueError as exc:
+            raise ValueError(f"bench_batch, before decoding: {label(name, knobs)}: {exc}") from None
     engine = BatchedEngine(pair)
     sampling = SamplingConfig(temperature)
     engine.generate_many(
@@ -59,18 +74,36 @@ def bench_batch(
     cells = [BatchCell(b, label(n, k), n, k) for b in batch_sizes for n, k in specs]
     for rep in range(repeats):
         for cell in cells if rep % 2 == 0 else cells[::-1]:
+            if cell.failed is not None:
+                continue
             engine.batcher.economy = None  # a batch's plan starts afresh
+            where = f"batch {cell.batch}, repeat {rep + 1}"
             t0 = time.perf_counter()
-            out = engine.generate_many(
-                prompts,
-                lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
-                max_new_tokens,
-                sampling,
-                max_batch=cell.batch,
-                stop_at_eos=False,
-            )
+            try:
+                out = engine.generate_many(
+                    prompts,
+                    lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
+                    max_new_tokens,
+                    sampling,
+                    max_batch=cell.batch,
+                    stop_at_eos=False,
+                )
+            except Exception as exc:  # this cell only: the others go on
+                cell.failed = PolicyFailure.of(cell.label, where, exc)
+                progress(f"  {cell.failed.line()}")
+                record(cell.failed.record(batch=cell.batch))
+                continue
             cell.tok_s.append(sum(len(g.tokens) for g in out) / (time.perf_counter() - t0))
             cell.steps.append(sum(len(g.steps) for g in out))
+            record(
+                {
+                    "batch": cell.batch,
+                    "policy": cell.label,
+                    "repeat": rep + 1,
+                    "tok_s": cell.tok_s[-1],
+                    "steps": cell.steps[-1],
+                }
+            )
             progress(
                 f"  repeat {rep + 1}/{repeats}  batch {cell.batch:>2}  {cell.label:<24} "
                 f"{cell.tok_s[-1]:7.1f} tok/s"
@@ -87,7 +120,7 @@ def format_batch_bench(cells: list[BatchCell], header: str) -> str:
         f"{'':>14}{'vs best fixed K':>16}",
     ]
     for b in sorted({c.batch for c in cells}):
-        row = [c for c in cells if c.batch == b]
+        row = [c for c in cells if c.batch == b and c.failed is None]
         fixed = [c for c in row if c.name == "fixed"]
         best = max(fixed, key=lambda c: c.mean) if fixed else None
         for c in row:
@@ -102,4 +135,5 @@ def format_batch_bench(cells: list[BatchCell], header: str) -> str:
             )
         if best is not None:
             lines.append(f"{'':>7}best fixed K at batch {b}: {best.label}")
+    lines += failure_lines([c.failed for c in cells if c.failed is not None])
     return "\n".join(lines)

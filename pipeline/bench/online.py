@@ -11,13 +11,11 @@ the same prompts and models in one run, each scored like for like (pipeline.benc
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from functools import partial
 
-import numpy as np
-import torch
-
+from pipeline.bench.decoding import bench_assisted, bench_policies, bench_policy
+from pipeline.bench.guard import PolicyFailure, require_priced
 from pipeline.bench.online_bound import (
     BoundResult,
     SequenceBound,
@@ -25,13 +23,12 @@ from pipeline.bench.online_bound import (
     replay,
     sequence_bounds,
 )
-from pipeline.bench.scoring import OnlineBenchResult
+from pipeline.bench.rows import BenchRow
+from pipeline.bench.scoring import REPLAY_LABEL, OnlineBenchResult
 from pipeline.cost.model import CostModel
-from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts
-from pipeline.decode.policies.registry import POLICIES, make_policy
+from pipeline.decode.policies.registry import POLICIES
 from pipeline.decode.policies.replay import ReplayPolicy
-from pipeline.decode.types import SamplingConfig, StepRecord
 from pipeline.models.loading import ModelPair
 
 FIXED_KS = (1, 2, 3, 4, 5, 6, 8)  # every K that can be best here: the best fixed K is picked
@@ -61,156 +58,6 @@ QUICK_POLICIES: list[tuple[str, dict]] = [
     *[("fixed", {"k": k}) for k in (1, 2, 3, 4)],
     ("throughput", {}),
 ]
-TREE_POLICIES = frozenset({"tree", "ecospec", "ecospec-global"})
-
-
-@dataclass
-class BenchRow:
-    label: str
-    temperature: float
-    tokens: int
-    seconds: float  # decoding steps only: the prompt's prefill is left out
-    mean_accepted: float
-    mean_unique_experts: float
-    verify_share: float
-    tree: bool = False
-    outputs: list[list[int]] = field(default_factory=list)
-    steps: list[list[StepRecord]] = field(default_factory=list)
-    policy_ms: float | None = None  # the cost model's price of every step
-    ar_ms: float | None = None  # the AR price of the same text
-    bound: BoundResult | None = None  # the oracle on the same text (chain policies)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def modelled_speedup(self) -> float | None:
-        return None if self.policy_ms is None else self.ar_ms / self.policy_ms
-
-
-def _label(name: str, knobs: dict) -> str:
-    return name + ("(" + ",".join(f"{k}={v}" for k, v in knobs.items()) + ")" if knobs else "")
-
-
-def bench_policy(
-    pair: ModelPair,
-    prompts: list[list[int]],
-    name: str | Callable,
-    knobs: dict,
-    temperature: float,
-    max_new_tokens: int,
-    artifacts: PolicyArtifacts | None = None,
-    label: str | None = None,
-) -> BenchRow:
-    """``name`` is a policy name, or a callable giving the policy for prompt j. Timed: the
-    decoding steps (a session's start, the prompt's prefill, is not)."""
-    return bench_policies(
-        pair, prompts, [(name, knobs, label)], temperature, max_new_tokens, artifacts
-    )[0]
-
-
-def bench_policies(
-    pair: ModelPair,
-    prompts: list[list[int]],
-    specs: list[tuple[str | Callable, dict, str | None]],
-    temperature: float,
-    max_new_tokens: int,
-    artifacts: PolicyArtifacts | None = None,
-    progress: Callable[[str], None] = lambda line: None,
-) -> list[BenchRow]:
-    """bench_policy for each (name, knobs, label) in ``specs``, interleaved: every policy
-    decodes prompt j before any decodes prompt j + 1, in an order that rotates with j. A
-    machine whose speed drifts during the run (a shared CPU drifts by tens of percent within
-    minutes) then slows every policy alike, instead of whichever ran in the slow minutes."""
-    engine = SpeculativeEngine(pair)
-    sampling = SamplingConfig(temperature=temperature)
-    seconds = [0.0] * len(specs)
-    outputs: list[list[list[int]]] = [[] for _ in specs]
-    steps: list[list[list[StepRecord]]] = [[] for _ in specs]
-    for seed, ids in enumerate(prompts):
-        progress(f"T={temperature:g} prompt {seed + 1}/{len(prompts)}")
-        for turn in range(len(specs)):
-            i = (turn + seed) % len(specs)
-            name, knobs, _ = specs[i]
-            policy = name(seed) if callable(name) else make_policy(name, artifacts, **knobs)
-            session = engine.start(ids, policy, sampling, seed=seed)
-            started = time.perf_counter()
-            while len(session.generated) < max_new_tokens:
-                session.step()
-            seconds[i] += time.perf_counter() - started
-            outputs[i].append(list(session.generated))  # a last step may overshoot: paid for
-            steps[i].append(list(session.steps))
-    return [
-        _row(name, knobs, label, temperature, seconds[i], outputs[i], steps[i])
-        for i, (name, knobs, label) in enumerate(specs)
-    ]
-
-
-def _row(
-    name: str | Callable,
-    knobs: dict,
-    label: str | None,
-    temperature: float,
-    seconds: float,
-    outputs: list[list[int]],
-    steps: list[list[StepRecord]],
-) -> BenchRow:
-    flat = [s for run in steps for s in run]
-    return BenchRow(
-        label=label or _label(name, knobs),
-        temperature=temperature,
-        tokens=sum(len(o) for o in outputs),
-        seconds=seconds,
-        mean_accepted=float(np.mean([s.accepted for s in flat])),
-        mean_unique_experts=float(np.mean([s.u_bar for s in flat])),
-        verify_share=sum(s.t_verify_ms for s in flat) / 1e3 / seconds,
-        tree=not callable(name) and name in TREE_POLICIES,
-        outputs=outputs,
-        steps=steps,
-    )
-
-
-@torch.no_grad()
-def bench_assisted(
-    pair: ModelPair, prompts: list[list[int]], temperature: float, max_new_tokens: int
-) -> BenchRow:
-    """transformers' generate(assistant_model=draft), same prompts and token budget. Its time
-    includes both prefills, measured apart (a target and a draft forward over the prompt) and
-    subtracted, so it is comparable with the engine's step times."""
-    tokens, seconds, outputs = 0, 0.0, []
-    for seed, ids in enumerate(prompts):
-        torch.manual_seed(seed)
-        kwargs = {"do_sample": temperature > 0}
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-        x = torch.tensor([ids], device=pair.device)
-        started = time.perf_counter()
-        pair.target(x)
-        pair.draft(x)
-        prefill = time.perf_counter() - started
-        started = time.perf_counter()
-        out = pair.target.generate(
-            x,
-            assistant_model=pair.draft,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            pad_token_id=pair.tokenizer.eos_token_id,
-            **kwargs,
-        )
-        seconds += max(1e-9, time.perf_counter() - started - prefill)
-        tokens += out.shape[1] - len(ids)
-        outputs.append(out[0, len(ids) :].tolist())
-    return BenchRow(
-        "transformers assisted",
-        temperature,
-        tokens,
-        seconds,
-        float("nan"),
-        float("nan"),
-        float("nan"),
-        outputs=outputs,
-    )
 
 
 def replay_lines(
@@ -261,6 +108,7 @@ def run_online_bench(
     policies: list[tuple[str, dict]] | None = None,
     assisted: bool | None = None,
     bound: bool | list[float] = True,
+    record: Callable[[dict], None] = lambda result: None,
 ) -> OnlineBenchResult:
     """Every policy (QUICK_POLICIES with ``quick``, or ``policies``: (name, knobs) pairs, `ar`
     put first) at every temperature, assisted generation unless ``quick`` (or as ``assisted``
@@ -268,7 +116,10 @@ def run_online_bench(
     model; texts shared between policies are solved once) and, at T = 0, the oracle's k*
     decoded online (``bound=False`` leaves the oracle out: measured figures only; a list of
     temperatures solves it only at those).
-    ``progress`` gets a line before each policy runs."""
+    ``progress`` gets a line before each policy runs; ``record`` each row's figures (or its
+    failure) the moment it is scored. Before anything decodes, every policy must build and
+    the cost model must price every step it may take (pipeline.bench.guard). A row whose
+    scoring fails is left out and listed in the result's failures; `ar`'s fails the bench."""
     if policies is None:
         policies = QUICK_POLICIES if quick else DEFAULT_POLICIES + COST_AWARE_POLICIES
     if assisted is None:
@@ -276,12 +127,16 @@ def run_online_bench(
     unknown = {name for name, _ in policies} - POLICIES.keys()
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; choose among {sorted(POLICIES)}")
-    for name, knobs in policies:  # every policy builds (its artifacts exist) before any runs
-        make_policy(name, artifacts, **knobs)
     if policies[0][0] != "ar":
         policies = [("ar", {}), *[p for p in policies if p[0] != "ar"]]  # the baseline first
+    # Every policy builds (its artifacts exist) and is priced at its largest step, before any
+    # decodes: the chain bound and the replay need m up to lmax + 1.
+    require_priced("bench_online", artifacts.cost, policies, artifacts)
+    if bound is True or (bound and set(bound) & set(temperatures)):
+        artifacts.cost.require_m(range(1, lmax + 2), f"the bound at Lmax {lmax}")
     rows: list[BenchRow] = []
     lines: list[str] = []
+    failures: list[PolicyFailure] = []
     bounds: dict[tuple, BoundResult] = {}
 
     def bound_of(row: BenchRow, temp: float) -> BoundResult:
@@ -299,36 +154,50 @@ def run_online_bench(
             )
         return bounds[key]
 
+    def keep(row_label: str, temp: float, work: Callable[[], BenchRow]) -> None:
+        """The row ``work`` scores (or runs and scores), kept and recorded at once; if it
+        fails, the failure instead, and the bench goes on (not for `ar`: every other row is
+        scored against it)."""
+        try:
+            row = work()
+        except Exception as exc:
+            if row_label == "ar":
+                raise
+            failure = PolicyFailure.of(row_label, f"T={temp:g}", exc)
+            failures.append(failure)
+            progress(failure.line())
+            record(failure.record())
+            return
+        rows.append(row)
+        record(row.record())
+
+    def scored(row: BenchRow, temp: float, bounded: bool) -> BenchRow:
+        _price(row, pair, prompts, artifacts)
+        if bounded and not row.tree:
+            progress(f"T={temp:g} {row.label}: the oracle on its text")
+            row.bound = bound_of(row, temp)
+        return row
+
     for temp in temperatures:
         bounded = bound if isinstance(bound, bool) else temp in bound
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
         progress(f"T={temp:g}: {len(policies)} policies, interleaved prompt by prompt")
         specs = [(name, knobs, None) for name, knobs in policies]
         for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts, progress):
-            _price(row, pair, prompts, artifacts)
-            if bounded and not row.tree:
-                progress(f"T={temp:g} {row.label}: the oracle on its text")
-                row.bound = bound_of(row, temp)
-            rows.append(row)
+            keep(row.label, temp, partial(scored, row, temp, bounded))
         if assisted:
-            rows.append(bench_assisted(pair, prompts, temp, max_new_tokens))
-        if temp == 0 and bounded:
-            # The oracle's own decisions on the greedy text, decoded online.
-            ar_row = next(r for r in rows if r.label == "ar" and r.temperature == 0)
-            greedy = bound_of(ar_row, 0.0)
-            by_prompt = {int(b.seq.seq_id.split("-")[1]): b for b in greedy.sequences}
-
-            def replay_policy(j: int, by_prompt=by_prompt) -> ReplayPolicy:
-                return ReplayPolicy(by_prompt[j].solution.k_star, len(prompts[j]))
-
-            progress("T=0 oracle-replay (k*)")
-            row = bench_policy(
-                pair, prompts, replay_policy, {}, temp, max_new_tokens, label="oracle-replay (k*)"
+            keep(
+                "transformers assisted",
+                temp,
+                partial(bench_assisted, pair, prompts, temp, max_new_tokens),
             )
-            _price(row, pair, prompts, artifacts)
-            row.bound = greedy
-            rows.append(row)
-            lines += replay_lines(pair, prompts, artifacts.cost, by_prompt)
+        if temp == 0 and bounded:
+            progress("T=0 oracle-replay (k*)")
+            keep(
+                REPLAY_LABEL,
+                temp,
+                partial(_replay_row, pair, prompts, max_new_tokens, artifacts, rows, lines),
+            )
     return OnlineBenchResult(
         rows,
         lines,
@@ -338,4 +207,30 @@ def run_online_bench(
         artifacts.lam,
         lmax,
         artifacts.cost,
+        failures,
     )
+
+
+def _replay_row(
+    pair: ModelPair,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    artifacts: PolicyArtifacts,
+    rows: list[BenchRow],
+    lines: list[str],
+) -> BenchRow:
+    """The oracle's own decisions on `ar`'s greedy text (its bound, solved already), decoded
+    online and priced; its agreement with the oracle goes to ``lines``."""
+    ar_row = next(r for r in rows if r.label == "ar" and r.temperature == 0)
+    greedy = ar_row.bound
+    assert greedy is not None, "the replay follows the bound on `ar`'s greedy text"
+    by_prompt = {int(b.seq.seq_id.split("-")[1]): b for b in greedy.sequences}
+
+    def replay_policy(j: int) -> ReplayPolicy:
+        return ReplayPolicy(by_prompt[j].solution.k_star, len(prompts[j]))
+
+    row = bench_policy(pair, prompts, replay_policy, {}, 0.0, max_new_tokens, label=REPLAY_LABEL)
+    _price(row, pair, prompts, artifacts)
+    row.bound = greedy
+    lines += replay_lines(pair, prompts, artifacts.cost, by_prompt)
+    return row

@@ -151,10 +151,6 @@ class ReplayReport:
     def relative_error(self) -> float:
         return sum(self.measured_ms) / sum(self.modelled_ms) - 1.0
 
-    @property
-    def relative_error_online_u(self) -> float:
-        return sum(self.measured_ms) / sum(self.modelled_online_u_ms) - 1.0
-
 
 def step_cost(cost: CostModel, rec: StepRecord, ctx_len: int) -> float:
     """What the cost model says a decoding step cost: T_D(draft forwards) + T_T(m, U, L)."""

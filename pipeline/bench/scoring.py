@@ -13,13 +13,11 @@ Two fractions, never mixed:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from pipeline.bench.guard import PolicyFailure, failure_lines
+from pipeline.bench.rows import BenchRow
 from pipeline.cost.model import CostModel
-
-if TYPE_CHECKING:
-    from pipeline.bench.online import BenchRow
 
 REPLAY_LABEL = "oracle-replay (k*)"
 
@@ -49,6 +47,7 @@ class OnlineBenchResult:
     lam: float  # ms/token, from the oracle's policy.json
     lmax: int
     cost: CostModel
+    failures: list[PolicyFailure] = field(default_factory=list)  # rows left out: why
 
     def row(self, label: str, temperature: float) -> BenchRow | None:
         return next(
@@ -131,4 +130,5 @@ def format_online_bench(result: OnlineBenchResult) -> str:
         lines.append(
             f"cost model error: out-of-sample MAPE {mape:.1f}% over the calibration's rounds"
         )
+    lines += failure_lines(result.failures)
     return "\n".join(lines)

@@ -1,8 +1,8 @@
-"""The tree-bound benchmark (jobs.bench_tree, issue 18): on the same prompts, in one run, the
+"""The tree-bound benchmark (jobs.bench_tree): on the same prompts, in one run, the
 chain bound and each selection rule's tree bound per budget, and the fraction of its rule's
 bound each tree policy captures.
 
-At T = 0: `ar` and the policies decode every prompt interleaved (pipeline.bench.online), for
+At T = 0: `ar` and the policies decode every prompt interleaved (pipeline.bench.decoding), for
 ``repeats`` rounds; `ar`'s text is the reference the bounds are solved on (every lossless
 policy produces the same text). Each tree policy is matched with the rule it follows (`tree`:
 eagle2, `ecospec`: ecospec, with its branch and depth) and scored three ways:
@@ -13,11 +13,14 @@ eagle2, `ecospec`: ecospec, with its branch and depth) and scored three ways:
   extraction says the policy costs: it should equal the modelled figure);
 * measured: decoding time of `ar` over its own, the prompts' prefill left out.
 
-Fractions divide by the rule's bound with budgets up to the study's largest.
+Fractions divide by the rule's bound with budgets up to the study's largest. Before decoding,
+the cost model must price every step each policy may take (m up to its gamma); a policy whose
+scoring fails is left out and listed in ``failures``, the others scored and recorded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,8 +30,11 @@ import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 
-from pipeline.bench.online import bench_policies
+from pipeline.bench.decoding import bench_policies
+from pipeline.bench.guard import PolicyFailure, failure_lines, require_priced
 from pipeline.bench.online_bound import modelled_generation
+from pipeline.bench.rows import BenchRow
+from pipeline.cost.model import CostModel
 from pipeline.data.references import ReferenceSequence
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.registry import policy_class
@@ -93,6 +99,7 @@ class TreeBench:
     tree_draft_forwards: int
     tree_seconds: float
     off_path: dict[str, int] = field(default_factory=dict)  # per rule: its off-path nodes
+    failures: list[PolicyFailure] = field(default_factory=list)  # policies left out: why
 
     @property
     def target_forwards_per_token(self) -> float:
@@ -109,9 +116,12 @@ def run_tree_bench(
     budgets: tuple[int, ...] = DEFAULT_BUDGETS,
     repeats: int = 3,
     progress: Callable[[str], None] = print,
+    record: Callable[[dict], None] = lambda result: None,
 ) -> TreeBench:
+    """``record`` gets each policy's score (or failure) the moment it is done."""
     k_max = max(budgets)
     cost = artifacts.cost.require_m(range(1, k_max + 2), f"the tree bench at budget {k_max}")
+    require_priced("bench_tree", cost, [("ar", {}), *policies], artifacts)
     own = [policy_rule(n, k) for n, k in policies]
     study = [TreeRule.parse(r) for r in rules]
     all_rules = list({r.name: r for r in [*study, *own]}.values())
@@ -157,36 +167,61 @@ def run_tree_bench(
         )
         refs.append(seq)
     ar_ms = sum(r["ar_ms"] for r in seq_rows if r["budget"] == k_max and r["bound"] == "chain")
-    scores = []
+    scores, failures = [], []
     for p, ((name, knobs), rule) in enumerate(zip(policies, own, strict=True), start=1):
         gamma = with_defaults(name, knobs)["gamma"]
-        row = first[p]
-        priced = [
-            modelled_generation(pair, pr, o, st, cost)
-            for pr, o, st in zip(prompts, row.outputs, row.steps, strict=True)
-        ]
-        own_k = min(gamma - 1, k_max)
-        bound = bound_own = fixed = 0.0
-        for j in range(len(prompts)):
-            tin = tins[(j, rule.name)]
-            tables = tree_tables(cost, tin)
-            whole, at_own = solve_tree(cost, tin, [k_max, own_k], tables)
-            bound, bound_own = bound + whole.dp[0], bound_own + at_own.dp[0]
-            fixed += fixed_budgets_ms(*tables, [own_k])[0]
-        scores.append(
-            PolicyScore(
-                label=row.label,
-                rule=rule.name,
-                gamma=gamma,
-                measured=[float(seconds[r, 0] / seconds[r, p]) for r in range(repeats)],
-                modelled=sum(x.ar_ms for x in priced) / sum(x.policy_ms for x in priced),
-                offline_fixed=ar_ms / fixed,
-                bound=ar_ms / bound,
-                bound_own=ar_ms / bound_own,
-            )
-        )
+        try:
+            score = _score(pair, prompts, cost, first[p], rule, gamma, k_max, tins, ar_ms)
+        except Exception as exc:  # this policy's scoring only: the others are kept
+            failure = PolicyFailure.of(first[p].label, "scoring", exc)
+            failures.append(failure)
+            progress(f"[bench_tree] {failure.line()}")
+            record(failure.record())
+            continue
+        score.measured = [float(seconds[r, 0] / seconds[r, p]) for r in range(repeats)]
+        scores.append(score)
+        record(dataclasses.asdict(score))
     n_tokens = sum(len(s.token_ids) - 1 for s in refs)
-    return TreeBench(pool(seq_rows), scores, n_tokens, nodes, target_fw, draft_fw, tree_s, off_path)
+    return TreeBench(
+        pool(seq_rows), scores, n_tokens, nodes, target_fw, draft_fw, tree_s, off_path, failures
+    )
+
+
+def _score(
+    pair: ModelPair,
+    prompts: list[list[int]],
+    cost: CostModel,
+    row: BenchRow,
+    rule: TreeRule,
+    gamma: int,
+    k_max: int,
+    tins: dict,
+    ar_ms: float,
+) -> PolicyScore:
+    """A tree policy's modelled speedup over `ar` on its own steps, and its rule priced on
+    `ar`'s text (``tins``: the tree inputs per prompt and rule; ``ar_ms``: the AR cost of that
+    text): at its fixed gamma, and the bound up to the largest budget and up to its gamma."""
+    priced = [
+        modelled_generation(pair, pr, o, st, cost)
+        for pr, o, st in zip(prompts, row.outputs, row.steps, strict=True)
+    ]
+    own_k = min(gamma - 1, k_max)
+    bound = bound_own = fixed = 0.0
+    for j in range(len(prompts)):
+        tin = tins[(j, rule.name)]
+        tables = tree_tables(cost, tin)
+        whole, at_own = solve_tree(cost, tin, [k_max, own_k], tables)
+        bound, bound_own = bound + whole.dp[0], bound_own + at_own.dp[0]
+        fixed += fixed_budgets_ms(*tables, [own_k])[0]
+    return PolicyScore(
+        label=row.label,
+        rule=rule.name,
+        gamma=gamma,
+        modelled=sum(x.ar_ms for x in priced) / sum(x.policy_ms for x in priced),
+        offline_fixed=ar_ms / fixed,
+        bound=ar_ms / bound,
+        bound_own=ar_ms / bound_own,
+    )
 
 
 def format_tree_bench(bench: TreeBench, header: str) -> str:
@@ -223,5 +258,6 @@ def format_tree_bench(bench: TreeBench, header: str) -> str:
         "  off-path nodes per reference token, each rule alone (what its own extraction "
         "routes): "
         + ", ".join(f"{r} {c / bench.reference_tokens:.2f}" for r, c in bench.off_path.items()),
+        *failure_lines(bench.failures),
     ]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The verification-cost model read by the oracle and the online policies (DESIGN section 3):
+"""The verification-cost model read by the oracle and the online policies (docs/contract.md):
 ``T_T(m, U, L) = beta0(m) + alpha(m) U + c L`` and ``T_D(n) = a n + b`` over n draft
 forwards, in milliseconds; and the check that it is used on the setup it was measured on."""
 
@@ -165,7 +165,7 @@ class CostModel:
     def from_json(cls, data: dict[str, Any]) -> CostModel:
         try:
             meta = {k: v for k, v in data.items() if k not in ("beta0", "alpha", "c", "draft")}
-            return cls(
+            model = cls(
                 beta0={int(m): float(v) for m, v in data["beta0"].items()},
                 alpha={int(m): float(v) for m, v in data["alpha"].items()},
                 c=float(data["c"]),
@@ -175,6 +175,7 @@ class CostModel:
             )
             if meta.get("batch") is not None:
                 BatchCost.from_json(meta["batch"])  # a bad batch section fails here, named
+            return model
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a specbound cost model: {exc!r}") from exc
 

@@ -1,5 +1,5 @@
 """What a cost model was measured on, and what it is used with: device, dtype, experts
-implementation and the two checkpoints (DESIGN section 3: a cost model is refused elsewhere
+implementation and the two checkpoints (docs/contract.md: a cost model is refused elsewhere
 unless overridden). CostModel.check_measured_on compares two such dicts.
 
 Checkpoints are identified by a fingerprint, not their path (paths differ between clones and

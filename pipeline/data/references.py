@@ -1,7 +1,7 @@
 """Reference sequences: a prompt's tokens followed by the response the oracle must reproduce.
 
 The response is the prompt source's own reference where it gives one (and ``use_given`` is on),
-else the target's greedy continuation up to a token budget. DESIGN section 3 numbers positions
+else the target's greedy continuation up to a token budget. docs/contract.md numbers positions
 from the prompt's last token ``x_0``; ``tokens`` below holds ``x_0 .. x_N`` contiguously.
 """
 

@@ -1,6 +1,6 @@
-"""Every table the stages exchange (DESIGN section 4), in one place: the Parquet schemas and
+"""Every table the stages exchange (docs/contract.md), in one place: the Parquet schemas and
 the codec of the ``experts`` column (``list<list<int16>>``: MoE layers x top-k expert ids).
-Columns beyond DESIGN's are documented in the README's contract section."""
+docs/contract.md states every column."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ TAILS_SCHEMA = pa.schema(
         ("a", pa.int32()),
     ]
 )
-# Draft trees for the tree bound (pipeline.extract.draft_trees; beyond DESIGN): one row per node
+# Draft trees for the tree bound (pipeline.extract.draft_trees): one row per node
 # a selection rule verifies at state i, in selection order (any first k rows are the tree of
 # budget gamma = k + 1), with the target's routing of the node (teacher-forced on the path).
 TREES_SCHEMA = pa.schema(

@@ -51,21 +51,26 @@ class BatchEconomy:
                 self._steps += 1
 
     def plan(self, key: int, accept: list[float], max_k: int, context: int) -> int:
-        """The chain length of generation ``key`` this step; ``accept[j]`` is the chance its
-        token j + 1 is accepted given the ones before it were; ``context`` its length."""
+        """The chain length of generation ``key`` this step, at most its own ``max_k``;
+        ``accept[j]`` is the chance its token j + 1 is accepted given the ones before it were;
+        ``context`` its length."""
         with self._lock:
-            self._rows[key] = (accept, self._steps, context)
+            # Each row keeps its own cap: generations of one batch may ask with different max_k,
+            # and a plan made when another asked must still hold this one to its own.
+            self._rows[key] = (accept[: max(max_k, 0)], self._steps, context)
             if self._planned_at != self._steps or key not in self._plan:
-                self._replan(max_k)
+                self._replan()
             return self._plan.get(key, 0)
 
-    def _replan(self, max_k: int) -> None:
+    def _replan(self) -> None:
         fresh = self._steps - STALE_STEPS
         self._rows = {k: v for k, v in self._rows.items() if v[1] >= fresh}
         keys = list(self._rows)
         accs = [self._rows[k][0] for k in keys]
         ctxs = [self._rows[k][2] for k in keys]
-        ks, self.planned_rate = plan_lengths(self.cost, accs, ctxs, max_k)
+        # Rounds up to the longest cap in the batch; each row stops at its own (len(accept)).
+        rounds = max((len(a) for a in accs), default=0)
+        ks, self.planned_rate = plan_lengths(self.cost, accs, ctxs, rounds)
         self._plan = dict(zip(keys, ks, strict=True))
         self._planned_at = self._steps
 

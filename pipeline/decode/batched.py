@@ -12,14 +12,14 @@ joining and leaving.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pipeline.decode.batching import ForwardBatcher, ForwardRequest
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.engine import DecodeSession, SpeculativeEngine
-from pipeline.decode.policies.limits import StepLimits
+from pipeline.decode.step_limits import StepLimits
 from pipeline.decode.types import Generation, SamplingConfig
 from pipeline.models.loading import ModelPair
 
@@ -30,6 +30,18 @@ def _visibility(kw: dict) -> tuple[torch.Tensor | None, list[int] | None]:
     if mask is None:
         return None, None
     return (mask[0, 0] == 0).cpu(), kw["position_ids"][0].tolist()
+
+
+def sliding_window(config) -> str | None:
+    """What makes ``config``'s attention slide, or None. With ``layer_types`` (GPT-OSS, Qwen2)
+    a layer marked sliding does; without them (Mixtral-style) a ``sliding_window`` that is set
+    does: transformers then masks every layer to it. The packed mask shows a sequence all of
+    its cached positions, so either would decode differently from the model alone."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return "sliding_attention layers" if "sliding_attention" in layer_types else None
+    window = getattr(config, "sliding_window", None)
+    return None if window is None else f"sliding_window {window}"
 
 
 class BatchedDrafter(Drafter):
@@ -109,11 +121,12 @@ class BatchedEngine(SpeculativeEngine):
         batcher: ForwardBatcher | None = None,
     ) -> None:
         for model in (pair.target, pair.draft):
-            if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+            window = sliding_window(model.config)
+            if window is not None:
                 raise ValueError(
                     f"continuous batching packs sequences under one 4D mask, which a "
-                    f"sliding-window layer ({model.config.model_type}) cannot honour; decode "
-                    "these models one generation at a time (max_batch=1)"
+                    f"sliding-window layer ({model.config.model_type}, {window}) cannot "
+                    "honour; decode these models one generation at a time (max_batch=1)"
                 )
         super().__init__(pair, limits)
         self.batcher = batcher or ForwardBatcher(pair)
@@ -134,15 +147,27 @@ class BatchedEngine(SpeculativeEngine):
     def generate_many(
         self,
         prompts: list[list[int]],
-        make_policy: Callable[[], object],
+        make_policy: Callable[[], object] | None,
         max_new_tokens: int = 64,
         sampling: SamplingConfig | None = None,
         seeds: list[int] | None = None,
         max_batch: int = 16,
         stop_at_eos: bool = True,
+        policies: Sequence[object] | None = None,
     ) -> list[Generation]:
         """Decode every prompt, ``max_batch`` at a time (a new one joins as one ends): the
-        generations in prompt order. An exception in any generation is raised here."""
+        generations in prompt order. An exception in any generation is raised here. Each
+        generation's policy is a new ``make_policy()``, or ``policies[i]`` for prompt i
+        (one policy object per prompt: a batch mixing policies or knobs)."""
+        if policies is not None:
+            # A policy keeps per-generation state (reset, update): never one for two prompts.
+            if len(policies) != len(prompts) or len({id(p) for p in policies}) < len(policies):
+                raise ValueError("policies: one policy object of its own per prompt")
+            policy_for = policies.__getitem__
+        elif make_policy is not None:
+            policy_for = lambda i: make_policy()  # noqa: E731
+        else:
+            raise ValueError("give make_policy or policies")
         seeds = seeds if seeds is not None else list(range(len(prompts)))
         results: list[Generation | BaseException | None] = [None] * len(prompts)
         slots = threading.Semaphore(max_batch)
@@ -155,7 +180,7 @@ class BatchedEngine(SpeculativeEngine):
                 with self.batcher.participant():
                     stream = self.stream(
                         prompts[i],
-                        make_policy(),
+                        policy_for(i),
                         max_new_tokens,
                         sampling,
                         seeds[i],

@@ -27,8 +27,6 @@ from pipeline.models.routing import RoutingCapture
 from pipeline.models.slots import SlotCache, segmented_attention
 from pipeline.models.timing import timed
 
-SIDES = ("draft", "target")
-
 
 @dataclass(eq=False)
 class ForwardRequest:

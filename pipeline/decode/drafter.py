@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from pipeline.decode.policies.limits import StepLimits
 from pipeline.decode.randomness import RandomSource
+from pipeline.decode.step_limits import StepLimits
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.kvcache import crop_to
 from pipeline.models.loading import ModelPair

@@ -15,8 +15,8 @@ from transformers import DynamicCache
 
 from pipeline.decode.acceptance import accept
 from pipeline.decode.drafter import Drafter
-from pipeline.decode.policies.limits import StepLimitExceeded, StepLimits
 from pipeline.decode.randomness import RandomSource, TorchRandom
+from pipeline.decode.step_limits import StepLimitExceeded, StepLimits
 from pipeline.decode.stream import GenerationStream
 from pipeline.decode.types import Candidates, Generation, SamplingConfig, StepOutcome, StepRecord
 from pipeline.models.kvcache import crop_to, keep_positions
@@ -186,7 +186,7 @@ class DecodeSession:
 class SpeculativeEngine:
     """Decodes with ``pair``; with ``limits`` every session's steps are bounded as they run
     (a server also refuses policies whose declared step work exceeds them, before decoding:
-    pipeline.decode.policies.limits.check_step_limits)."""
+    pipeline.decode.step_limits.check_step_limits)."""
 
     def __init__(self, pair: ModelPair, limits: StepLimits | None = None):
         self.pair = pair

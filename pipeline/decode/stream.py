@@ -5,14 +5,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from pipeline.decode.types import Generation, SamplingConfig
+from pipeline.decode.types import Generation, SamplingConfig, StepRecord
 
-if TYPE_CHECKING:
-    from pipeline.decode.engine import SpeculativeEngine
+
+class Session(Protocol):
+    """What a stream drives: an engine's decode session (pipeline.decode.engine)."""
+
+    generated: list[int]
+    steps: list[StepRecord]
+
+    def step(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+class SessionStarter(Protocol):
+    """What a stream needs of an engine (the single and the batched one both are); a protocol
+    so the engine can hand out streams without this module importing it back."""
+
+    pair: Any  # a ModelPair: its tokenizer decodes the text
+
+    def start(
+        self, prompt_ids: list[int], policy: Any, sampling: SamplingConfig | None, seed: int | None
+    ) -> Session: ...
 
 
 class GenerationStream:
@@ -27,7 +46,7 @@ class GenerationStream:
 
     def __init__(
         self,
-        engine: SpeculativeEngine,
+        engine: SessionStarter,
         prompt_ids: list[int],
         policy,
         max_new_tokens: int,

@@ -1,2 +1,2 @@
-"""Extraction (DESIGN sections 3-4): per-sequence rows, junk tails, keyed randomness, the Ray
+"""Extraction (docs/contract.md): per-sequence rows, junk tails, keyed randomness, the Ray
 Data job and the routing profile."""

@@ -37,7 +37,7 @@ _SPEC = re.compile(r"^(?P<sel>[a-z0-9]+)(?:[:-](?P<knobs>.*))?$")
 @dataclass(frozen=True)
 class TreeRule:
     """A selection rule R and the tree it selects from: the tree bound's action is a budget
-    for R (DESIGN extension, README contract)."""
+    for R (beyond the papers, docs/contract.md)."""
 
     selection: str
     branch: int = 2

@@ -1,4 +1,4 @@
-"""Counterfactual junk tails (DESIGN section 3): which tails a sequence needs, sampling them from
+"""Counterfactual junk tails (docs/contract.md): which tails a sequence needs, sampling them from
 the draft, and the target's routing of them.
 
 A tail diverges after ``x_s``: what the verifier is shown after the chain matched ``x_1..x_s``
@@ -33,7 +33,7 @@ from pipeline.models.routing import RoutingCapture
 from pipeline.models.treemask import chains_as_tree, tree_attention_inputs
 
 TAIL_MODES = ("shared", "paper")
-# The verification rules a tail can stand for (DESIGN section 3, "Junk tail").
+# The verification rules a tail can stand for (docs/contract.md, "Junk tail").
 ACCEPTANCES = ("surrogate", "greedy", "sampling")
 _FIELDS = ("s", "length", "key", "i", "k", "a", "acceptance", "draw")
 

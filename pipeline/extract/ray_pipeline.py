@@ -47,7 +47,7 @@ class ExtractConfig:
     experts_implementation: str = "eager"
     chunk_tokens: int = 2048
     threads: int = 0  # torch threads per CPU actor; 0: share the node's cores among actors
-    acceptances: tuple[str, ...] = ACCEPTANCES  # which junk tails (DESIGN section 3)
+    acceptances: tuple[str, ...] = ACCEPTANCES  # which junk tails (docs/contract.md, section 1)
     draws: int = 2  # independent tail draws per acceptance (greedy: one), for cross-fitting
     temperature: float = 1.0  # of draft_prob, target_prob and the sampled tails
     # Sequences decoded (greedy references) and teacher-forced together, within a shard; 1: each

@@ -8,38 +8,44 @@ cached context. A forward writes every new token to the slot the plan names (the
 next free slots) and attends through a 4D additive mask that shows each token its own
 sequence's context and the new tokens it may see. Rolling a sequence back is setting its
 length: nothing is copied, and no other sequence is touched.
+
+The whole ``[N, rows * capacity]`` mask is built only if read (LazyMask): the segmented SDPA
+attends each sequence to its own block by that block's part of the mask, kept apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only  # torch's own way to map a subclass's args
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# (query start, query end, key start, key end) per sequence of the packed forward running now.
-_SEGMENTS: ContextVar[list[tuple[int, int, int, int]] | None] = ContextVar(
-    "slot_segments", default=None
-)
+# The slot cache whose plan the packed forward running now attends by.
+_ACTIVE: ContextVar[SlotCache | None] = ContextVar("slot_cache", default=None)
 SEGMENTED = "specbound_slot_sdpa"
 
 
 def _segmented_sdpa(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """SDPA per sequence of a packed forward: each sequence's queries against its own block
     only, so the work is sum(n_r * length_r), not every query against every block (what the
-    full mask would cost: the same result, the hidden keys weighing exactly 0)."""
-    segments = _SEGMENTS.get()
-    if segments is None:
+    full mask would cost: the same result, the hidden keys weighing exactly 0). Each block's
+    mask comes from the plan, so the full one is never built here."""
+    cache = _ACTIVE.get()
+    if cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     parts = [
-        sdpa_attention_forward(module, query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1],
-                               attention_mask[:, :, q0:q1, k0:k1], **kwargs)[0]
-        for q0, q1, k0, k1 in segments
+        sdpa_attention_forward(
+            module, query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], mask, **kwargs
+        )[0]
+        for (q0, q1, k0, k1), mask in zip(cache.segments, cache.segment_masks(), strict=True)
     ]
     return torch.cat(parts, dim=1), None
 
@@ -56,13 +62,92 @@ def segmented_attention(model: nn.Module, cache: SlotCache) -> Iterator[None]:
     if base != "sdpa":
         yield
         return
-    token = _SEGMENTS.set(cache.segments)
+    token = _ACTIVE.set(cache)
     config._attn_implementation = SEGMENTED
     try:
         yield
     finally:
         config._attn_implementation = base
-        _SEGMENTS.reset(token)
+        _ACTIVE.reset(token)
+
+
+def _visibility(vis: torch.Tensor | None, n: int, length: int) -> torch.Tensor:
+    """A part's ``[n, length + n]`` bool visibility (None: causal)."""
+    if vis is None:
+        vis = torch.ones(n, length + n, dtype=torch.bool)
+        vis[:, length:] = torch.tril(vis[:, length:])
+    return vis
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where visible, dtype-min where hidden."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+Segment = tuple[int, int, int, int]  # query start, query end, key start, key end
+Part = tuple[torch.Tensor | None, int]  # a part's visibility (None: causal), cached length
+
+
+def _dense_mask(segments: list[Segment], parts: list[Part], width: int, dtype, device):
+    """The plan's whole additive mask ``[1, 1, N, width]``: each part's visibility in its
+    block, everything else hidden."""
+    total = segments[-1][1]
+    visible = torch.zeros(total, width, dtype=torch.bool)
+    for (q0, q1, k0, k1), (vis, length) in zip(segments, parts, strict=True):
+        visible[q0:q1, k0:k1] = _visibility(vis, q1 - q0, length)
+    return _additive(visible, dtype).view(1, 1, total, width).to(device)
+
+
+def _segment_masks(segments: list[Segment], parts: list[Part], dtype, device):
+    """Each part's mask over its own block, ``[1, 1, n, length + n]`` (the whole mask's blocks
+    on its diagonal, the same values), moved to the device in one copy."""
+    blocks = [
+        _additive(_visibility(vis, q1 - q0, length), dtype)
+        for (q0, q1, _, _), (vis, length) in zip(segments, parts, strict=True)
+    ]
+    flat = torch.cat([b.flatten() for b in blocks]).to(device)
+    pieces = flat.split([b.numel() for b in blocks])
+    return [p.view(1, 1, *b.shape) for p, b in zip(pieces, blocks, strict=True)]
+
+
+# Reads of a mask's metadata, which need no values (transformers checks the mask's rank).
+_METADATA = {torch.Tensor.dim, torch.Tensor.size}
+_METADATA |= {getattr(torch.Tensor, a).__get__ for a in ("shape", "ndim", "dtype", "device")}
+
+
+class LazyMask(torch.Tensor):
+    """A plan's additive 4D mask holding no values until something reads them: then it is
+    built once (``dense()``) and every operation runs on that tensor, so a reader sees exactly
+    the mask the plan describes. Its shape, dtype and device are set from the start."""
+
+    @staticmethod
+    def __new__(cls, build: Callable[[], torch.Tensor], shape, dtype, device) -> LazyMask:
+        mask = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        mask._build, mask._dense = build, None
+        return mask
+
+    @property
+    def built(self) -> bool:
+        return self._dense is not None
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self._build()
+        return self._dense
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        args, kwargs = tree_map_only(LazyMask, LazyMask.dense, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Only operators reached without __torch_function__ (from C++) get here.
+        args, kwargs = tree_map_only(LazyMask, LazyMask.dense, (args, kwargs or {}))
+        return func(*args, **kwargs)
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -128,8 +213,10 @@ class SlotCache(Cache):
         self.length = [0] * rows
         self.free = list(range(rows))
         self.write_index: torch.Tensor | None = None
-        self.segments: list[tuple[int, int, int, int]] = []
+        self.segments: list[Segment] = []
         self.width = 0
+        # The plan's mask of each part over its own block (_segment_masks), built once if used.
+        self.segment_masks: Callable[[], list[torch.Tensor]] = list
 
     # --- sequences ------------------------------------------------------------------------
 
@@ -177,35 +264,35 @@ class SlotCache(Cache):
 
     # --- a packed forward -----------------------------------------------------------------
 
-    def plan(self, parts: list[tuple[int, int, torch.Tensor | None]], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
+    def plan(
+        self,
+        parts: list[tuple[int, int, torch.Tensor | None]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
         """Set up one packed forward: ``parts`` are (row, n new tokens, visibility), the
         visibility a ``[n, length + n]`` bool matrix over the row's cached positions and its new
         tokens (None: causal, every cached position and the new tokens before it). The new
         tokens go to the row's next n slots; returns the additive 4D mask ``[1, 1, N, width]``
-        (0 visible, dtype-min hidden). The row lengths advance by n."""
-        for row, n, _ in parts:
-            self.reserve(row, self.length[row] + n)
+        (0 visible, dtype-min hidden), a LazyMask built only if read. The row lengths advance
+        by n."""
+        for row, n, vis in parts:
+            length = self.length[row]
+            if vis is not None and tuple(vis.shape) != (n, length + n):
+                raise ValueError(f"visibility {tuple(vis.shape)} for {n} tokens after {length}")
+            self.reserve(row, length + n)
         width = (max(row for row, _, _ in parts) + 1) * self.capacity
-        total = sum(n for _, n, _ in parts)
-        visible = torch.zeros(total, width, dtype=torch.bool)
-        index, segments = [], []
+        index, segments, kept = [], [], []
         q = 0
         for row, n, vis in parts:
             start, length = row * self.capacity, self.length[row]
-            if vis is None:
-                vis = torch.ones(n, length + n, dtype=torch.bool)
-                vis[:, length:] = torch.tril(vis[:, length:])
-            elif tuple(vis.shape) != (n, length + n):
-                raise ValueError(f"visibility {tuple(vis.shape)} for {n} tokens after {length}")
-            visible[q : q + n, start : start + length + n] = vis
             index.extend(range(start + length, start + length + n))
             segments.append((q, q + n, start, start + length + n))
+            kept.append((vis, length))
             self.length[row] = length + n
             q += n
         self.write_index = torch.tensor(index, device=device)
-        self.segments = segments
-        self.width = width
-        mask = torch.zeros(total, width, dtype=dtype)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask.view(1, 1, total, width).to(device)
+        self.segments, self.width = segments, width
+        self.segment_masks = functools.cache(partial(_segment_masks, segments, kept, dtype, device))
+        build = partial(_dense_mask, segments, kept, width, dtype, device)
+        return LazyMask(build, (1, 1, q, width), dtype, device)

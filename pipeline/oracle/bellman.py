@@ -1,4 +1,4 @@
-"""The Bellman oracle (DESIGN section 3): optimal draft length at every position of a reference
+"""The Bellman oracle (docs/contract.md): optimal draft length at every position of a reference
 sequence, the speedup bound it implies, and its visitation.
 
 Everything is an array over (state i, budget k, accepted a), indexed ``[i, k, a]`` with

@@ -1,5 +1,5 @@
 """U(i, k, a): the mean over MoE layers of the unique experts a verification pass loads
-(DESIGN section 3, "Expert union"), for every cell at once with bitmask unions.
+(docs/contract.md, "Expert union"), for every cell at once with bitmask unions.
 
 Expert sets are bitmasks (``ceil(E / 64)`` uint64 words per layer), unions are ORs, sizes are
 popcounts. Windows of reference tokens and prefixes of tails are cumulative ORs along a

@@ -4,7 +4,7 @@ with and without the plain step (k = 0), in-sample and cross-fitted; the rows of
 the `decisions` of one selected configuration and its alpha = 0 ablation. Sequences are solved
 in parallel as Ray tasks, each building its own U tables (they never all sit in the driver).
 
-In-sample vs cross-fitted (DESIGN section 3, "Bellman"). Minimising over one draw of junk tails
+In-sample vs cross-fitted (docs/contract.md, "Bellman"). Minimising over one draw of junk tails
 is optimistic: in expectation, no policy priced on the same tails beats the in-sample optimum,
 so it is the BOUND (the headline). Choosing k* on one draw and pricing it on an independent
 other draw (both directions, averaged) gives an unbiased price of a policy one could actually

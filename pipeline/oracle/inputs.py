@@ -2,7 +2,7 @@
 verification rule, the routing of the reference, and U(i, k, a) for every (acceptance, draw)
 of junk tails the extraction holds.
 
-Acceptance modes (DESIGN section 3, "Transition"; each priced with its OWN tails, i.e. the rows
+Acceptance modes (docs/contract.md, "Transition"; each priced with its OWN tails, i.e. the rows
 of ``tails`` whose ``acceptance`` equals the mode):
   surrogate  r_j = draft_prob (the paper's)
   greedy     r_j = draft_match (T = 0: exact; greedy tails are deterministic, one draw)

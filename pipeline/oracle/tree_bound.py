@@ -1,4 +1,4 @@
-"""The tree bound: the Bellman limit for draft trees under a selection rule R (issue 18).
+"""The tree bound: the Bellman limit for draft trees under a selection rule R.
 
 Conditioned on the reference, a clairvoyant choice of nodes collapses to the chain along the
 reference, so the action is reference-blind: at state i a budget of k = 0..K draft nodes

@@ -1,4 +1,4 @@
-"""The tree bound beside the chain bound, per budget (issue 18): for every largest budget K
+"""The tree bound beside the chain bound, per budget: for every largest budget K
 (draft nodes; gamma <= K + 1 verified positions), the chain bound under greedy acceptance and
 each selection rule's tree bound (pipeline.oracle.tree_bound) on the same reference text, the
 same cost model and AR price, pooled over sequences (S = total AR cost / total optimal cost),

@@ -218,17 +218,6 @@ def distill_loss(
     return fn
 
 
-@dataclass(frozen=True)
-class TinyReport:
-    target_heldout_loss: float
-    draft_heldout_loss: float
-    draft_target_top1_agreement: float
-    draft_over_target_step_time: float
-    target_step_ms: float
-    draft_step_ms: float
-    heldout_tokens: int
-
-
 @torch.no_grad()
 def heldout_metrics(
     target: PreTrainedModel, draft: PreTrainedModel, stream: torch.Tensor, seq_len: int = 256

@@ -1,4 +1,4 @@
-"""AdaEDL (Agrawal et al. 2024; a training-free peer in issue 16's benchmark): stop drafting
+"""AdaEDL (Agrawal et al. 2024; a training-free peer in the domain benchmark): stop drafting
 once an entropy-based lower bound on the next token's acceptance probability,
 1 - sqrt(gamma * H(q)), falls below a threshold lambda.
 
@@ -18,7 +18,7 @@ from pipeline.acceptance.features import distribution_stats
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork, chain_work
+from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates
 
 ENTROPY = 2  # its column in distribution_stats

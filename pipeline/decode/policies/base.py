@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.knobs import Knob, KnobError
-from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Policy:
         raise NotImplementedError
 
     def step_work(self) -> StepWork:
-        """The most work one step can do with these knobs (pipeline.decode.policies.limits):
+        """The most work one step can do with these knobs (pipeline.decode.step_limits):
         an exact upper bound, which servers check against their limits before decoding."""
         raise NotImplementedError(f"{self.name} does not declare its step work")
 

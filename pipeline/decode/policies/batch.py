@@ -27,7 +27,7 @@ from pipeline.decode.batch_economy import BatchEconomy, expected
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import AcceptanceChainPolicy, draft_chain
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 DEFAULT_MAX_K = AcceptanceChainPolicy.DEFAULT_MAX_K

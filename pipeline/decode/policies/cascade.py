@@ -1,4 +1,4 @@
-"""Cascade (utility-driven draft length for MoE targets; a peer in issue 16's benchmark).
+"""Cascade (utility-driven draft length for MoE targets; a peer in bench_online's domain benchmark).
 
 A cycle has a *test* phase, where each K of the ladder 1, 2, 4, ..., max_k (in that order)
 drafts a chain of K for ``test_steps`` steps, and a *set* phase of ``set_steps`` steps at the K
@@ -26,7 +26,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, draft_chain, resolve_max_k
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 if TYPE_CHECKING:

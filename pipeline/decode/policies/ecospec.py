@@ -27,9 +27,9 @@ from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob
-from pipeline.decode.policies.limits import StepWork, tree_work
 from pipeline.decode.policies.tree import tree_knobs
 from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
+from pipeline.decode.step_limits import StepWork, tree_work
 from pipeline.decode.types import Candidates
 from pipeline.predictor.model import ExpertPredictor
 

@@ -1,4 +1,4 @@
-"""The oracle-driven early-exit rule (DESIGN section 3, "Online marginal rule").
+"""The oracle-driven early-exit rule (docs/contract.md, "Online marginal rule").
 
 While drafting a chain, with cumulative acceptance probability P_j and the draft's confidence
 q (its largest probability) at the next position, adding a token gains dE[a] = P_j q expected
@@ -20,7 +20,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork, chain_work
+from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates, StepOutcome
 from pipeline.predictor.model import ExpertPredictor
 
@@ -47,7 +47,7 @@ class AcceptanceCalibrator:
     more often than a small draft's spread-out confidence says (and under sampling the rate is
     sum(min(p, q)), not q). Each bin of q keeps a Beta posterior shrunk (``prior`` pseudo-draws)
     towards the pooled acceptance rate of all bins, itself shrunk towards q: with no evidence
-    this is exactly the DESIGN rule, and a bin the rule stopped drafting into (so never sees
+    this is docs/contract.md's rule exactly, and a bin the rule stopped drafting into (so never sees
     verified) borrows the pooled rate instead of staying stuck at its raw confidence.
     """
 

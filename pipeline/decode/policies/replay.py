@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.decode.policies.base import Policy, draft_chain
-from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork, chain_work
+from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates, StepOutcome
 
 

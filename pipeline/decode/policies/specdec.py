@@ -1,4 +1,4 @@
-"""SpecDec++-style stopping (Huang et al. 2024; a peer in issue 16's benchmark): an acceptance
+"""SpecDec++-style stopping (Huang et al. 2024; a peer in the domain benchmark): an acceptance
 head on the draft's hidden state predicts each drafted token's acceptance, and the chain stops
 once the probability that some drafted token is rejected, 1 - prod_j P(accept_j), exceeds a
 threshold h.
@@ -19,7 +19,7 @@ from pipeline.acceptance.model import AcceptanceModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, require_acceptance
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork, chain_work
+from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates
 
 if TYPE_CHECKING:

@@ -42,8 +42,9 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import AcceptanceChainPolicy
 from pipeline.decode.policies.knobs import Knob, step_knob
-from pipeline.decode.policies.limits import StepWork
+from pipeline.decode.policies.plan_worth import plan_pays, plan_worth
 from pipeline.decode.policies.prices import PriceTables
+from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 DEFAULT_MAX_K = AcceptanceChainPolicy.DEFAULT_MAX_K
@@ -177,37 +178,6 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             best = min(best, (self.cost.t_draft(n) + self._t_target(n + 1) + extra) / tokens)
         return best
 
-    def _worth(
-        self, rho: float, p: float, accs: list[float], m: int, forwards: int, first_free: bool
-    ) -> float:
-        """The best worth over plans of n = 1 .. len(accs) more tokens (module docstring):
-        rho * expected tokens gained minus the extra modelled cost. ``first_free``: the first
-        token's distribution is already computed."""
-        td, tt = self._td, self._tt
-        t_d0, t_t0 = td[forwards], tt[m]
-        gain, best = 0.0, float("-inf")
-        for n, a in enumerate(accs, 1):
-            p *= a
-            gain += rho * p
-            more = forwards + (n - 1 if first_free else n)
-            best = max(best, gain - (td[more] - t_d0) - (tt[m + n] - t_t0))
-        return best
-
-    def _pays(
-        self, rho: float, p: float, accs: list[float], m: int, forwards: int, first_free: bool
-    ) -> bool:
-        """_worth(...) > 0, stopping at the first plan that pays (most decisions to go on)."""
-        td, tt = self._td, self._tt
-        t_d0, t_t0 = td[forwards], tt[m]
-        gain = 0.0
-        for n, a in enumerate(accs, 1):
-            p *= a
-            gain += rho * p
-            more = forwards + (n - 1 if first_free else n)
-            if gain > (td[more] - t_d0) + (tt[m + n] - t_t0):
-                return True
-        return False
-
     def _look_pays(self, rho: float, mode: ModeModel, recent: float) -> bool:
         """Before any draft forward: is looking at the next distribution worth its forward?
         After the look the step drafts only if that pays, so the look is worth
@@ -218,7 +188,10 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         total = 0.0
         spread = mode.spread_around(recent)
         for a in spread:
-            total += max(self._worth(rho, 1.0, [a] * self.max_k, 1, 0, first_free=False), -look)
+            total += max(
+                plan_worth(self._td, self._tt, rho, 1.0, [a] * self.max_k, 1, 0, first_free=False),
+                -look,
+            )
         return total / len(spread) > 0
 
     # -- the step ------------------------------------------------------------------------
@@ -249,8 +222,8 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             # This token, and the ones after it, each given the ones before it accepted.
             a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
-            if not (probe and j == 0) and not self._pays(
-                rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
+            if not (probe and j == 0) and not plan_pays(
+                self._td, self._tt, rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
             ):
                 break
             token = drafter.sample(probs)
@@ -259,7 +232,9 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             p_chain *= a_now
             # Later tokens count only if this one is accepted: their features see it so.
             recent = decay * recent + (1 - decay)
-            if not later or not self._pays(rho, p_chain, later, j + 2, j + 1, first_free=False):
+            if not later or not plan_pays(
+                self._td, self._tt, rho, p_chain, later, j + 2, j + 1, first_free=False
+            ):
                 break
             tail = [*tail[1:], token] if len(tail) == MAX_MATCH - 1 else [*tail, token]
             probs = drafter.extend(token)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import MAX_STEP_KNOB, Knob, step_knob
-from pipeline.decode.policies.limits import StepWork, tree_work
 from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
+from pipeline.decode.step_limits import StepWork, tree_work
 from pipeline.decode.types import Candidates
 
 TREE_KNOBS = (

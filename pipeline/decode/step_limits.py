@@ -16,12 +16,9 @@ ones plus the bonus token, at most the positions it verified) and then what it d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pipeline.decode.policies.knobs import KnobError
-
-if TYPE_CHECKING:
-    from pipeline.decode.policies.base import Policy
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,16 @@ class StepLimits:
             )
 
 
-def check_step_limits(policy: Policy, limits: StepLimits) -> None:
+class DeclaresStepWork(Protocol):
+    """What the check reads of a policy (pipeline.decode.policies.base.Policy has both); a
+    protocol so this module sits below the drafter and the policies, importing neither."""
+
+    name: str
+
+    def step_work(self) -> StepWork: ...
+
+
+def check_step_limits(policy: DeclaresStepWork, limits: StepLimits) -> None:
     """StepLimitError (a KnobError) when ``policy``'s knobs allow steps beyond ``limits``."""
     limits.check(policy.name, policy.step_work())
 
