@@ -21,9 +21,10 @@ from pipeline.acceptance.features import (
     position_stats,
     stats_of,
 )
+from pipeline.acceptance.logistic import fit_logistic
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.acceptance.traces import AcceptanceTrace, trace_prompt
-from pipeline.acceptance.training import design, fit_acceptance, fit_logistic
+from pipeline.acceptance.training import design, fit_acceptance
 from pipeline.data.prompts import Prompt
 from pipeline.decode.types import SamplingConfig
 
@@ -71,13 +72,39 @@ def test_logistic_fit_recovers_weights_from_soft_labels():
     x = np.column_stack([np.ones(20000), rng.normal(size=(20000, 2))])
     w = np.array([0.5, 2.0, -1.0])
     y = 1 / (1 + np.exp(-(x @ w)))  # probabilities as labels (the sampled mode's)
-    assert fit_logistic(x, y, l2=0.0) == pytest.approx(w, abs=1e-3)
+    fit = fit_logistic(x, y, l2=0.0)
+    assert fit.weights == pytest.approx(w, abs=1e-3)
+    assert fit.converged and 0 < fit.iterations < 50
     # Integer row weights are repeated rows.
     counts = rng.integers(0, 3, size=len(y)).astype(float)
     repeated = np.repeat(np.arange(len(y)), counts.astype(int))
-    assert fit_logistic(x, y, l2=0.0, weights=counts) == pytest.approx(
-        fit_logistic(x[repeated], y[repeated], l2=0.0), abs=1e-6
+    assert fit_logistic(x, y, l2=0.0, weights=counts).weights == pytest.approx(
+        fit_logistic(x[repeated], y[repeated], l2=0.0).weights, abs=1e-6
     )
+    # The ridge is l2 * sum(weights) / 2 on the slopes, none on the bias: at the optimum the
+    # gradient of that loss is zero.
+    l2 = 1e-2
+    ridged = fit_logistic(x, y, l2=l2, weights=counts)
+    p = 1 / (1 + np.exp(-(x @ ridged.weights)))
+    grad = x.T @ (counts * (p - y)) + l2 * counts.sum() * np.r_[0.0, ridged.weights[1:]]
+    assert np.abs(grad).max() < 1e-6 * counts.sum()
+    # Stopped short, a fit says so.
+    short = fit_logistic(x, y, l2=l2, weights=counts, max_iter=1)
+    assert not short.converged and short.note
+
+
+def test_a_fit_without_an_optimum_warns_and_says_so_in_the_report():
+    """Greedy labels all 1 (every draft token accepted): the bias has no finite optimum."""
+    rng = np.random.default_rng(2)
+    traces = [
+        AcceptanceTrace(f"p{i}", 0.0, rng.uniform(size=(20, W - 2)), np.ones(20), np.ones((20, 2)))
+        for i in range(4)
+    ]
+    with pytest.warns(RuntimeWarning) as caught:
+        model, report = fit_acceptance(traces, [4.0], heldout_every=5, hidden=False)
+    assert any("fit greedy/current did not converge" in str(w.message) for w in caught)
+    assert report["greedy"]["convergence"]["current"]["converged"] is False
+    assert model.modes["greedy"].current[0] > 10  # P(accept) near 1, finite
 
 
 def test_recent_acceptance_only_looks_back():
@@ -143,8 +170,39 @@ def test_greedy_trace_labels_are_argmax_matches_on_the_target_text(pair):
     assert means == sorted(means)  # unions grow with the window
 
 
-def test_sampled_trace_labels_are_acceptance_probabilities(pair):
-    trace, _ = trace_prompt(pair, PROMPT, SamplingConfig(temperature=1.0), 12, seed=0, max_m=2)
+def test_sampled_trace_labels_are_acceptance_probabilities(pair, monkeypatch):
+    """The label of position i is sum_x min(p_i(x), q_i(x)): the probability that sampled
+    verification accepts a token drawn from q_i, with p_i, q_i the target's and the draft's
+    distributions at T given the prompt and the first i generated tokens."""
+    import pipeline.acceptance.traces as traces_module
+    from pipeline.acceptance.traces import prompt_ids
+
+    generated: list[list[int]] = []
+
+    class Recording(traces_module.SpeculativeEngine):
+        def generate(self, *args, **kwargs):
+            gen = super().generate(*args, **kwargs)
+            generated.append(list(gen.tokens))
+            return gen
+
+    monkeypatch.setattr(traces_module, "SpeculativeEngine", Recording)
+    temperature = 0.7
+    trace, _ = trace_prompt(
+        pair, PROMPT, SamplingConfig(temperature=temperature), 12, seed=0, max_m=2
+    )
+    (tokens,) = generated
+    ids = prompt_ids(pair, PROMPT)
+    full = torch.tensor([ids + tokens], device=pair.device)
+    rows = slice(len(ids) - 1, len(ids) - 1 + len(tokens))  # logits there predict tokens[i]
+    with torch.no_grad():
+        p = torch.softmax(pair.target(full).logits[0, rows].double() / temperature, dim=-1)
+        q = torch.softmax(pair.draft(full).logits[0, rows].double() / temperature, dim=-1)
+    expected = torch.minimum(p, q).sum(-1).cpu().numpy()
+    assert len(trace.labels) == len(tokens) == 12
+    assert trace.labels == pytest.approx(expected, abs=1e-5)
+    # The same number as one minus the total variation distance, and strictly inside (0, 1).
+    tv = 0.5 * (p - q).abs().sum(-1).cpu().numpy()
+    assert trace.labels == pytest.approx(1 - tv, abs=1e-5)
     assert ((trace.labels > 0) & (trace.labels < 1)).all()
 
 

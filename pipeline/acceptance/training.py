@@ -1,6 +1,7 @@
-"""Fitting the acceptance model on traces: logistic regressions by Newton's method (labels may
-be probabilities: the sampled mode's sum min(p, q)), split by prompt, with held-out log loss,
-Brier score and calibration against the draft's raw confidence and a constant."""
+"""Fitting the acceptance model on traces: ridge logistic regressions (pipeline.acceptance.
+logistic; labels may be probabilities: the sampled mode's sum min(p, q)), split by prompt, with
+held-out log loss, Brier score and calibration against the draft's raw confidence and a
+constant, and each kept fit's iterations and convergence in the report."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.acceptance.features import FEATURE_NAMES
+from pipeline.acceptance.logistic import fit_logistic, kept_weights
 from pipeline.acceptance.model import RECENT, AcceptanceModel, ModeModel
 from pipeline.acceptance.traces import (
     AcceptanceTrace,
@@ -53,30 +55,6 @@ def head_design(traces: list[AcceptanceTrace]) -> tuple[np.ndarray, np.ndarray]:
     """Rows [1, hidden state that produced q_i] and labels of position i (the head's data)."""
     xs = [np.column_stack([np.ones(len(t.labels)), t.hidden]) for t in traces]
     return np.concatenate(xs), np.concatenate([t.labels for t in traces])
-
-
-def fit_logistic(
-    x: np.ndarray,
-    y: np.ndarray,
-    l2: float = 1e-3,
-    iters: int = 50,
-    weights: np.ndarray | None = None,
-) -> np.ndarray:
-    """Newton's method on the (soft-label, row-weighted) cross-entropy with a small ridge off
-    the bias."""
-    sw = np.ones(len(y)) if weights is None else weights
-    w = np.zeros(x.shape[1])
-    ridge = l2 * sw.sum() * np.eye(x.shape[1])
-    ridge[0, 0] = 0.0
-    for _ in range(iters):
-        p = 1 / (1 + np.exp(-(x @ w)))
-        grad = x.T @ (sw * (p - y)) + ridge @ w
-        hess = (x * (sw * p * (1 - p))[:, None]).T @ x + ridge + 1e-9 * np.eye(len(w))
-        step = np.linalg.solve(hess, grad)
-        w -= step
-        if np.abs(step).max() < 1e-8:
-            break
-    return w
 
 
 def log_loss(p: np.ndarray, y: np.ndarray) -> float:
@@ -155,24 +133,30 @@ def fit_acceptance(
         test = [t for t in chosen if t.prompt_id in held]
         prior = float(np.mean(np.concatenate([t.labels for t in chosen])))
         weights, mode_report = {}, {"prompts": len(ids), "heldout_prompts": len(held)}
+        kept: dict = {}  # the kept fits' convergence reports (held-out fits only warn)
         for kind, shift in (("current", 0), ("next", 1)):
-            x_tr, y_tr, w_tr = design(train, decay, prior, shift, hidden)
-            w_held = fit_logistic(x_tr, y_tr, l2, weights=w_tr)
             if test:
+                x_tr, y_tr, w_tr = design(train, decay, prior, shift, hidden)
+                w_held = kept_weights(
+                    f"{mode}/{kind} held out", fit_logistic(x_tr, y_tr, l2, weights=w_tr)
+                )
                 x_te, y_te, w_te = design(test, decay, prior, shift, hidden)
                 mean = float(np.average(y_tr, weights=w_tr))
                 mode_report[kind] = score(w_held, x_te, y_te, mean, w_te).row()
             x_all, y_all, w_all = design(chosen, decay, prior, shift, hidden)
-            weights[kind] = [float(v) for v in fit_logistic(x_all, y_all, l2, weights=w_all)]
+            fit = fit_logistic(x_all, y_all, l2, weights=w_all)
+            weights[kind] = [float(v) for v in kept_weights(f"{mode}/{kind}", fit, kept, kind)]
         x_head, y_head = head_design(chosen)
-        head = fit_logistic(x_head, y_head, l2=1e-2)
+        head = kept_weights(f"{mode}/head", fit_logistic(x_head, y_head, l2=1e-2), kept, "head")
         if test:
             train_x, train_y = head_design(train)
             x_te, y_te = head_design(test)
-            held = score(fit_logistic(train_x, train_y, l2=1e-2), x_te, y_te, float(train_y.mean()))
+            w_held = kept_weights(f"{mode}/head held out", fit_logistic(train_x, train_y, l2=1e-2))
+            held_scores = score(w_held, x_te, y_te, float(train_y.mean()))
             mode_report["head"] = {
-                k: v for k, v in held.row().items() if k != "log_loss_confidence"
+                k: v for k, v in held_scores.row().items() if k != "log_loss_confidence"
             }
+        mode_report["convergence"] = kept
         x_all, _, _ = design(chosen, decay, prior, 0, hidden)
         # Without the recent term, which is added back at decision time.
         w_cur = np.array(weights["current"])

@@ -19,13 +19,15 @@ generations sample and hand their tokens over one after another (the GIL). A ste
 its bookkeeping (commits, streams, the next proposals) in the gaps before its first draft
 round and its verification pass: S(B) = s0 + s_row B for a batch of B.
 
-All in ms, fitted by least squares to the batcher's records of decoding steps (prefills left
-out); bound, like the batch-1 model, to the machine, device, dtype and experts implementation
-it was measured on (it lives in costmodel.json, section "batch").
+All in ms, fitted by robust regression (Tukey's biweight, statsmodels RLM) to the batcher's
+records of decoding steps (prefills left out); bound, like the batch-1 model, to the machine,
+device, dtype and experts implementation it was measured on (it lives in costmodel.json,
+section "batch").
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,7 +83,7 @@ class BatchCost:
 
     @classmethod
     def fit(cls, records: list, experts: int, top_k: int) -> BatchCost:
-        """Least squares over the records of decoding steps (pipeline.decode.batching
+        """Robust linear fits over the records of decoding steps (pipeline.decode.batching
         BatchRecord, in the order they ran; steps with a prefill are left out)."""
         steps, current, clean = [], [], True
         for r in records:
@@ -100,15 +102,15 @@ class BatchCost:
             )
         x = np.array([[1.0, r.positions, float(np.mean(r.union)), r.attended] for r in target])
         y = np.array([r.t_ms for r in target])
-        bt, r2t = _ols(x, y)
+        bt, r2t = _robust(x, y)
         if bt[3] < 0:  # attention too small to tell apart from positions here: left out
-            bt, r2t = _ols(x[:, :3], y)
+            bt, r2t = _robust(x[:, :3], y)
             bt = np.append(bt, 0.0)
         xd = np.array([[1.0, r.rows] for r in rounds])
-        bd, r2d = _ols(xd, np.array([r.t_ms + _gap(r) for r in rounds]))
+        bd, r2d = _robust(xd, np.array([r.t_ms + _gap(r) for r in rounds]))
         xs = np.array([[1.0, s[-1].rows] for s in steps])
         ys = np.array([sum(_gap(r) for r in s if r.side == "target" or r.begins) for s in steps])
-        bs, r2s = _ols(xs, ys)
+        bs, r2s = _robust(xs, ys)
         decay = _fit_union_decay(
             [(r.positions, float(np.mean(r.union))) for r in target], experts, top_k
         )
@@ -129,31 +131,54 @@ class BatchCost:
 
 
 MAX_GAP_MS = 50.0  # a longer gap is the batch idling (no generation), not work
+RLM_MAXITER = 200  # IRLS converges linearly: tiny calibrations take 60-70 steps
 
 
 def _gap(record) -> float:
     return min(record.gap_ms, MAX_GAP_MS)
 
 
-def _ols(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """Least squares, refitted once without the points more than 5 MADs off the first fit
-    (a pass the machine interrupted: a GC pause, another process), R^2 on the kept points."""
+def _robust(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Tukey's biweight M-estimate (statsmodels RLM, MAD scale, from least squares): a pass
+    the machine interrupted (a GC pause, another process) gets weight 0 beyond 4.685 robust
+    SDs off the fit, a smooth form of dropping it; R^2 on the points it kept."""
+    # Imported here: vLLM's environment loads this module (pipeline.vllm_spec) without them.
+    import statsmodels.api as sm
+
     beta, *_ = np.linalg.lstsq(x, y, rcond=None)
     resid = y - x @ beta
-    mad = float(np.median(np.abs(resid - np.median(resid)))) or 1e-9
-    keep = np.abs(resid - np.median(resid)) <= 5 * 1.4826 * mad
-    if keep.sum() >= x.shape[1] + 2 and not keep.all():
-        x, y = x[keep], y[keep]
-        beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    keep = np.ones(len(y), dtype=bool)
+    # An exact fit (synthetic records, rounding noise only) would leave RLM a scale of 0.
+    if sm.robust.scale.mad(resid) > 1e-9 * float(np.mean(np.abs(y))):
+        fit = sm.RLM(y, x, M=sm.robust.norms.TukeyBiweight()).fit(maxiter=RLM_MAXITER)
+        if fit.fit_history["iteration"] >= RLM_MAXITER:
+            warnings.warn(
+                f"batch cost fit: the robust regression did not converge in {RLM_MAXITER} "
+                "iterations; its coefficients are not the optimum",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        beta = np.asarray(fit.params)
+        if fit.weights is not None:  # None: RLM stopped at a perfect fit before reweighting
+            keep = np.asarray(fit.weights) > 0
         resid = y - x @ beta
+    y, resid = y[keep], resid[keep]
     total = float(((y - y.mean()) ** 2).sum())
     return beta, 1.0 - float((resid**2).sum()) / total if total > 0 else float("nan")
 
 
 def _fit_union_decay(points: list[tuple[int, float]], experts: int, top_k: int) -> float:
-    """r in U(P) = E - (E - k) r^(P - 1), by a grid search on the squared error."""
+    """r in U(P) = E - (E - k) r^(P - 1) by least squares (bounded Brent, scipy; the squared
+    error is unimodal in r on calibration data)."""
+    from scipy.optimize import minimize_scalar  # not in vLLM's environment, like statsmodels
+
     p = np.array([pt[0] for pt in points], dtype=float)
     u = np.array([pt[1] for pt in points])
-    grid = np.linspace(0.5, 0.9999, 2000)
-    err = [float(((experts - (experts - top_k) * r ** (p - 1) - u) ** 2).sum()) for r in grid]
-    return float(grid[int(np.argmin(err))])
+
+    def sse(r: float) -> float:
+        return float(((experts - (experts - top_k) * r ** (p - 1) - u) ** 2).sum())
+
+    fit = minimize_scalar(sse, bounds=(0.5, 0.9999), method="bounded", options={"xatol": 1e-8})
+    if not fit.success:
+        warnings.warn(f"batch cost fit: U(P)'s decay: {fit.message}", RuntimeWarning, 2)
+    return float(fit.x)

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import statsmodels.api as sm
 from scipy import stats
+from sklearn.metrics import mean_absolute_percentage_error, r2_score, root_mean_squared_error
 from sklearn.model_selection import StratifiedGroupKFold
 
 FACTORS = ("u_bar", "ctx_len", "kv_occupancy", "m", "accepted", "round")
@@ -20,16 +21,16 @@ def codes(groups: pd.Series) -> np.ndarray:
 
 
 def metrics(y: np.ndarray, pred: np.ndarray) -> dict[str, float]:
+    """R2, RMSE and MAPE (%) over the rows with a finite prediction."""
     keep = np.isfinite(pred)
     y, pred = y[keep], pred[keep]
-    if not len(y):
+    if not len(y) or not np.isfinite(y).all():  # sklearn refuses NaN, which made all NaN
         return {"r2": float("nan"), "rmse": float("nan"), "mape": float("nan")}
-    resid = y - pred
-    sst = float(((y - y.mean()) ** 2).sum())
+    # R2 of a constant y is undefined (sklearn's would be 0 or 1, or -inf unforced): NaN.
     return {
-        "r2": 1 - float((resid**2).sum()) / sst if sst > 0 else float("nan"),
-        "rmse": float(np.sqrt((resid**2).mean())),
-        "mape": float(np.mean(np.abs(resid) / np.abs(y))) * 100,
+        "r2": float(r2_score(y, pred)) if np.ptp(y) > 0 else float("nan"),
+        "rmse": float(root_mean_squared_error(y, pred)),
+        "mape": float(mean_absolute_percentage_error(y, pred)) * 100,
     }
 
 
@@ -67,10 +68,12 @@ def ols_cv(df: pd.DataFrame, y_col: str, x_cols: list[str]) -> tuple[list[float]
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% t interval (NaN below two values)."""
     arr = np.asarray(values, float)
     if len(arr) < 2:
         return float(arr.mean()), float("nan")
-    half = stats.t.ppf(0.975, len(arr) - 1) * arr.std(ddof=1) / np.sqrt(len(arr))
+    # t.interval would need a positive scale; identical values give a half-width of 0 here.
+    half = stats.t.ppf(0.975, len(arr) - 1) * stats.sem(arr)
     return float(arr.mean()), float(half)
 
 
