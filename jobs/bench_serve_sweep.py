@@ -1,21 +1,25 @@
-"""Serving sweep: the Ray Serve endpoint under 1, 2, 4, 8, 16 concurrent streaming clients, for
-several speculation settings and for batched against one-at-a-time replicas, in one run, over a
-conversational workload (ShareGPT: each conversation's first human turn, a seeded sample).
+"""Serving sweep: the research endpoint (serving.app) and the vLLM app (vllm_serving: vLLM's
+engine with our proposer, with vLLM's draft_model at fixed K, with no speculation) under 1, 2,
+4, 8, 16 concurrent streaming clients, over ShareGPT (each conversation's first human turn, a
+seeded sample) and HumanEval, in one run, interleaved (per source and concurrency every
+system's cell before the next concurrency).
 
-Per (mode, clients, policy) cell every prompt is posted once as a streaming completion; the
+Per (source, system, clients) cell every prompt is posted once as a streaming completion; the
 table gives requests, errors, completed requests/s, output tokens/s, p50/p99 latency (until
-[DONE]) and p50/p99 time to first token (TTFT: until the first text chunk), then batched /
-single ratios per (clients, policy). Modes: `single` (max_batch=1: one generation at a time,
-round robin) and `batched` (max_batch=--max-batch: continuous batching), each its own app,
-started here one after the other in a local Ray cluster on a free loopback port.
+[DONE]) and p50/p99 time to first token (TTFT: until the first text chunk); then batched /
+single ratios where both endpoint modes ran, and the vLLM app with our proposer against the
+endpoint's best cell, vLLM's best fixed K and no speculation. Endpoint modes: `single`
+(max_batch=1, round robin) and `batched` (max_batch=--max-batch: continuous batching), side by
+side in a local Ray cluster; the vLLM app runs in the vLLM environment (`make vllm-env`) in a
+Ray cluster of its own, one engine replica per --vllm setting. Both listen on the loopback.
 
-    python -m jobs.bench_serve_sweep                 # ShareGPT, 32 prompts x 64 tokens, 30 cells
-    python -m jobs.bench_serve_sweep --concurrency 1,4,16 --limit 64 --max-tokens 128 \\
+    python -m jobs.bench_serve_sweep                      # 2 sources x 5 concurrencies x 6
+    python -m jobs.bench_serve_sweep --source sharegpt --concurrency 8,16 --limit 64
+    python -m jobs.bench_serve_sweep --no-vllm --modes single,batched \\
         --policies '[{"policy": "ar"}, {"policy": "fixed", "k": 2}, {"policy": "throughput"}]'
-    python -m jobs.bench_serve_sweep --modes batched --source humaneval --out out/sweep
 
 Results go to MLflow (experiment bench_serve_sweep: a metric per cell and ratio, sweep.json as
-an artifact) and, with --out, to sweep.csv, ratios.csv and sweep.json there.
+an artifact) and, with --out, to sweep.csv, ratios.csv, comparisons.csv and sweep.json there.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pipeline.tracking import tracked_run
 from serving.sweep import MODES, SweepSettings, run_sweep
 from serving.sweep_report import format_row, format_sweep, write_results
 
-DEFAULT_POLICIES = '[{"policy": "ar"}, {"policy": "fixed", "k": 4}, {"policy": "throughput"}]'
+DEFAULT_POLICIES = '[{"policy": "throughput"}]'  # the endpoint's default
+DEFAULT_VLLM = "ours:k=4,draft_model:k=1..3,none"
+VLLM_METHODS = ("ours", "proposer", "draft_model", "ngram", "none")
 
 
 def _ints(text: str) -> list[int]:
@@ -64,15 +70,70 @@ def _policies(text: str) -> list[dict]:
 
 def _modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or any(m not in MODES for m in modes) or len(set(modes)) < len(modes):
+    # None at all ('') measures the vLLM app alone.
+    if any(m not in MODES for m in modes) or len(set(modes)) < len(modes):
         raise argparse.ArgumentTypeError(f"expected distinct modes of {', '.join(MODES)}")
     return modes
+
+
+def _sources(text: str) -> list[str]:
+    sources = [s.strip() for s in text.split(",") if s.strip()]
+    if not sources or len(set(sources)) < len(sources):
+        raise argparse.ArgumentTypeError(f"expected distinct sources like a,b: {text!r}")
+    return sources
+
+
+def _vllm_models(text: str) -> list[dict]:
+    """'ours:k=4,draft_model:k=1..3,none' -> the vLLM app's model ids (ServedModel fields):
+    k=A..B gives one per K; any other knob of ours or proposer is a policy setting."""
+    from pipeline.bench.vllm_methods import _value
+
+    models = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name, *pairs = item.split(":")
+        if name not in VLLM_METHODS:
+            raise argparse.ArgumentTypeError(
+                f"{item}: the vLLM app serves {', '.join(VLLM_METHODS)}"
+            )
+        knobs = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key or key in knobs:
+                raise argparse.ArgumentTypeError(f"{item}: knobs are distinct name=value")
+            knobs[key] = value
+        lo, sep, hi = knobs.pop("k", "").partition("..")
+        try:
+            ks = list(range(int(lo), int(hi) + 1)) if sep else [int(lo)] if lo else [None]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item}: k is an int or A..B") from None
+        if (name == "none") != (ks == [None]) or (knobs and name not in ("ours", "proposer")):
+            raise argparse.ArgumentTypeError(
+                f"{item}: none takes no knobs, the others k=K or k=A..B (and ours or proposer "
+                "their policy settings)"
+            )
+        for k in ks:
+            label = name + (f"-k{k}" if k is not None else "")
+            label += "".join(f"-{key}{v}" for key, v in knobs.items())
+            model = {"name": label, "speculation": name} | ({"k": k} if k is not None else {})
+            models.append(
+                model | ({"policy": {key: _value(v) for key, v in knobs.items()}} if knobs else {})
+            )
+    if not models:
+        raise argparse.ArgumentTypeError("no vLLM settings given (--no-vllm skips the app)")
+    if len({m["name"] for m in models}) < len(models):
+        raise argparse.ArgumentTypeError(f"a setting is given twice: {text}")
+    return models
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_serve_sweep", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="sharegpt", help=f"{SOURCE_HELP} (default: sharegpt)")
+    p.add_argument(
+        "--source",
+        type=_sources,
+        default=["sharegpt", "humaneval"],
+        help=f"a comma list of sources, each {SOURCE_HELP} (default: sharegpt,humaneval)",
+    )
     p.add_argument(
         "--limit",
         type=int,
@@ -95,10 +156,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         type=_modes,
-        default=list(MODES),
-        help="replica modes in run order: single (max_batch=1), batched "
-        "(max_batch=--max-batch); default single,batched",
+        default=["batched"],
+        help="the endpoint's replica modes: single (max_batch=1), batched "
+        "(max_batch=--max-batch); default batched",
     )
+    p.add_argument(
+        "--vllm",
+        type=_vllm_models,
+        default=_vllm_models(DEFAULT_VLLM),
+        help="the vLLM app's speculation settings, each its own engine replica: ours (the "
+        "cost-aware scheduler over vLLM's draft_model), proposer (the cost-aware custom_class "
+        "proposer), draft_model, ngram, each with k=K or k=A..B, and none "
+        f"(default {DEFAULT_VLLM})",
+    )
+    p.add_argument("--no-vllm", action="store_true", help="the endpoint only")
     p.add_argument("--max-batch", type=int, default=16, help="the batched mode's max_batch")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
@@ -113,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=None, help="directory for sweep.csv, ratios.csv and sweep.json"
     )
     args = p.parse_args(argv)
+    if args.no_vllm:
+        args.vllm = []
+    if not args.modes and not args.vllm:
+        p.error("nothing to measure: give --modes or --vllm")
     if min(args.limit, args.max_tokens, args.max_batch) < 1 or args.timeout <= 0:
         p.error("--limit, --max-tokens and --max-batch must be >= 1, --timeout > 0")
     if args.limit < max(args.concurrency):
@@ -125,9 +200,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    texts = [p.text for p in load_prompts(args.source, args.limit)]
-    if len(texts) < max(args.concurrency):
-        raise ValueError(f"{args.source} gave {len(texts)} prompts, fewer than the most clients")
+    sources = {s: [p.text for p in load_prompts(s, args.limit)] for s in args.source}
+    for source, texts in sources.items():
+        if len(texts) < max(args.concurrency):
+            raise ValueError(f"{source} gave {len(texts)} prompts, fewer than the most clients")
     settings = SweepSettings(
         args.target,
         args.draft,
@@ -142,19 +218,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         args.replica_cpus,
         args.max_batch,
         args.timeout,
+        tuple(args.vllm),
     )
-    print(f"{len(texts)} {args.source} prompts; cells as they end:", flush=True)
+    print(f"{args.limit} prompts of {', '.join(sources)}; cells as they end:", flush=True)
     result = run_sweep(
-        texts,
+        sources,
         settings,
         lambda: ray_session(num_cpus=args.num_cpus),
         lambda cell: print(format_row(cell.row()), flush=True),
     )
-    print(format_sweep(result, args.source))
+    print(format_sweep(result, ", ".join(sources)))
     if args.out is not None:
         print("\nwrote " + ", ".join(str(p) for p in write_results(result, args.out)))
     metrics = result.metrics()
-    params = {**vars(args), "policies": json.dumps(args.policies)}
+    params = {
+        **vars(args),
+        "policies": json.dumps(args.policies),
+        "vllm": json.dumps(args.vllm),
+        "source": ",".join(args.source),
+    }
     with tracked_run("bench_serve_sweep", params=params) as tracked:
         tracked.log_metrics(metrics)
         tracked.log_dict(result.to_json(), "sweep.json")

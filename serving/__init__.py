@@ -17,6 +17,10 @@ serving.generation   a request's generations on that thread, answered as a body 
 serving.metrics      Ray metrics (Prometheus): requests, latency, tokens, speculation
 serving.app          the FastAPI ingress deployment, the app builder (`serve run serving.app:app`)
 serving.bench        the serving benchmark's harness (jobs.bench_serve)
-serving.sweep        the concurrency sweep's harness (jobs.bench_serve_sweep)
+serving.sweep        the concurrency sweep's harness (jobs.bench_serve_sweep): endpoint modes
+                     and the vLLM app, interleaved
+serving.sweep_client the sweep's streaming clients
+serving.sweep_compare the vLLM app against the endpoint, best fixed K and none
 serving.sweep_report the sweep's table and files
+serving.vllm_app     the vLLM app (vllm_serving) started from this environment
 """

@@ -158,7 +158,7 @@ def bench_endpoint(url: str, texts: list[str], settings: ServeBenchSettings) -> 
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -168,7 +168,7 @@ def serve_on_loopback() -> str:
     """Serve's proxy on a free port of the loopback in the connected Ray cluster; its URL."""
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
 
@@ -198,25 +198,27 @@ def app_args(
     }
 
 
-def deploy(args: dict[str, Any], name: str, url: str, deadline_s: float = 300.0) -> None:
-    """Run the app on Serve at route "/" and wait until ``url`` answers /healthz: serve.run
-    returns when the deployment is up, which may be before the proxy routes to it."""
+def deploy(
+    args: dict[str, Any], name: str, url: str, deadline_s: float = 300.0, route_prefix: str = "/"
+) -> None:
+    """Run the app on Serve at ``route_prefix`` and wait until it answers /healthz there:
+    serve.run returns when the deployment is up, which may be before the proxy routes to it."""
     import httpx
     from ray import serve
 
     from serving.app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
-    deadline = time.monotonic() + deadline_s
+    serve.run(build_app(args), name=name, route_prefix=route_prefix, blocking=False)
+    health, deadline = f"{url}{route_prefix.rstrip('/')}/healthz", time.monotonic() + deadline_s
     while True:
         try:
-            r = httpx.get(f"{url}/healthz", timeout=30, trust_env=False)
+            r = httpx.get(health, timeout=30, trust_env=False)
             if r.status_code == 200 and r.json().get("status") == "ok":
                 return
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not healthy {deadline_s:.0f} s after deploying {name}")
+            raise RuntimeError(f"{health} not healthy {deadline_s:.0f} s after deploying {name}")
         time.sleep(0.5)
 
 

@@ -1,39 +1,38 @@
-"""The serving sweep's harness (jobs.bench_serve_sweep): the endpoint measured the way serving
-benchmarks measure one (vLLM's ``benchmark_serving``), over replica modes x client concurrency
-x speculation settings, in one run.
+"""The serving sweep's harness (jobs.bench_serve_sweep): served systems x prompt sources x client
+concurrency, in one run, interleaved: for each source and each concurrency every system's
+cell runs before the next concurrency, so a drift of the machine touches all alike.
 
-A mode is one Serve app: ``single`` (``max_batch=1``: the replica advances its generations one
-at a time, round robin) or ``batched`` (``max_batch=N``: continuous batching). The modes run one
-after another on the same Serve instance (on 2 cores two replicas would share them). Within a
-mode, for each concurrency C and each speculation setting, C clients post every prompt once as
-streaming completions, client c taking prompts c, c + C, c + 2C, ...; the next request of a
-client leaves when its last one ends. Per request the client records the latency (until
-``[DONE]``), the time to first token (TTFT: until the first chunk with text) and the output
-tokens (``usage`` on the last chunk). A cell reports completed requests per second and output
-tokens per second over its wall time, and p50/p99 latency and TTFT over its completed requests.
+A system is one (mode, policy) pair:
+- ``single`` / ``batched``: the research endpoint (serving.app, this environment's Ray
+  cluster) with ``max_batch=1`` (one generation at a time, round robin) or ``max_batch=N``
+  (continuous batching), a request's ``speculation`` field choosing the policy; the modes are
+  apps of one Serve instance, side by side under their own route prefixes;
+- ``vllm``: the vLLM app (vllm_serving, in the vLLM environment and a Ray cluster of its own),
+  every speculation setting one of its model ids (one engine replica each), the request's
+  ``model`` choosing it.
 
-A request fails (``errors``) on a non-200 answer, an error event in its stream, a stream without
-``[DONE]``, a transport error or timeout, or a generation cut by its deadline. Clients talk to
-the loopback only (proxy settings are ignored) and each cell sends exactly one request per
-prompt, each bounded by ``max_tokens`` and the client's timeout.
+In a cell, C clients post every prompt of the source once as streaming completions
+(serving.sweep_client). A cell reports completed requests per second and output tokens per
+second over its wall time, p50/p99 latency and TTFT over its completed requests, and errors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from serving.bench import app_args, deploy, serve_on_loopback
+from serving.sweep_client import Outcome, run_cell
+from serving.sweep_compare import comparisons
 
 MODES = ("single", "batched")
+VLLM = "vllm"
 
 
 @dataclass(frozen=True)
@@ -45,12 +44,14 @@ class SweepSettings:
     experts_implementation: str
     policies: tuple[dict[str, Any], ...]  # request `speculation` fields: {"policy": name, ...}
     concurrency: tuple[int, ...]
-    modes: tuple[str, ...]  # of MODES, run in this order
+    modes: tuple[str, ...]  # of MODES
     max_tokens: int
     temperature: float
     replica_cpus: float
     max_batch: int = 16  # the batched mode's
     timeout_s: float = 600.0  # per request, at the client and as the server's deadline
+    # The vLLM app's model ids (vllm_serving.settings.ServedModel fields); none: not run.
+    vllm_models: tuple[dict[str, Any], ...] = ()
 
     def replica_args(self, mode: str) -> dict[str, Any]:
         # Serve must let every client's request onto the replica, or it (not max_batch) would
@@ -69,6 +70,21 @@ class SweepSettings:
             request_timeout_s=self.timeout_s,
         )
 
+    def vllm_args(self) -> dict[str, Any]:
+        """The vLLM app's settings: one engine replica per model id, each let take every
+        client's request at once (like the endpoint's replicas), the same deadline."""
+        most = max(self.concurrency)
+        return {
+            "target": self.target,
+            "draft": self.draft,
+            "models": list(self.vllm_models),
+            "kv_cache_gib": 1,  # several engines side by side in 24 GiB
+            "max_num_seqs": max(16, most),
+            "max_ongoing_requests": max(8, most),
+            "target_ongoing_requests": max(8, most),
+            "request_timeout_s": self.timeout_s,
+        }
+
 
 def policy_label(spec: dict[str, Any]) -> str:
     """``{"policy": "fixed", "k": 4}`` -> ``fixed k=4``."""
@@ -82,13 +98,13 @@ def metric_key(label: str) -> str:
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """One streamed request, as its client saw it."""
+class System:
+    """Where a cell's requests go and what they carry besides the prompt."""
 
-    latency: float  # seconds until [DONE] (or the failure)
-    ttft: float | None  # seconds until the first text; None without any
-    tokens: int  # completion tokens (the last chunk's usage)
-    error: str | None
+    mode: str
+    policy: str
+    path: str  # below the sweep's base URL of this mode
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -99,15 +115,17 @@ def _pct(values: list[float], q: float) -> float:
 class Cell:
     mode: str
     concurrency: int
-    policy: str  # policy_label
+    policy: str  # policy_label, or the vLLM app's model id
     seconds: float  # wall time of the cell
     outcomes: tuple[Outcome, ...]
+    source: str = ""
 
     def row(self) -> dict[str, Any]:
         ok = [o for o in self.outcomes if o.error is None]
         lat = [o.latency for o in ok]
         ttft = [o.ttft for o in ok if o.ttft is not None]
         return {
+            "source": self.source,
             "mode": self.mode,
             "concurrency": self.concurrency,
             "policy": self.policy,
@@ -128,22 +146,22 @@ class Cell:
 class SweepResult:
     settings: SweepSettings
     url: str
-    prompts: int
+    prompts: int  # per source
     cells: tuple[Cell, ...]
 
     def rows(self) -> list[dict[str, Any]]:
         return [c.row() for c in self.cells]
 
     def ratios(self) -> list[dict[str, Any]]:
-        """Batched over single per (concurrency, policy), where the run has both modes."""
-        by = {(r["mode"], r["concurrency"], r["policy"]): r for r in self.rows()}
+        """Batched over single per (source, concurrency, policy), where the run has both."""
+        by = {(r["source"], r["mode"], r["concurrency"], r["policy"]): r for r in self.rows()}
         out = []
-        for (mode, c, policy), b in by.items():
-            s = by.get(("single", c, policy))
+        for (src, mode, c, policy), b in by.items():
+            s = by.get((src, "single", c, policy))
             if mode != "batched" or s is None:
                 continue
             out.append(
-                {"concurrency": c, "policy": policy}
+                {"source": src, "concurrency": c, "policy": policy}
                 | {
                     f"{k}_x": b[k] / s[k] if s[k] else float("nan")
                     for k in ("req_s", "out_tok_s", "p50_ms", "ttft_p50_ms")
@@ -155,10 +173,13 @@ class SweepResult:
         out: dict[str, float] = {}
         keys = ("req_s", "out_tok_s", "p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "errors")
         for r in self.rows():
-            prefix = f"{r['mode']}.c{r['concurrency']}.{metric_key(r['policy'])}"
+            prefix = f"{r['source']}.{r['mode']}.c{r['concurrency']}.{metric_key(r['policy'])}"
             out |= {f"{prefix}.{k}": float(r[k]) for k in keys}
         for r in self.ratios():
-            prefix = f"ratio.c{r['concurrency']}.{metric_key(r['policy'])}"
+            prefix = f"{r['source']}.ratio.c{r['concurrency']}.{metric_key(r['policy'])}"
+            out |= {f"{prefix}.{k}": float(v) for k, v in r.items() if k.endswith("_x")}
+        for r in comparisons(self.rows()):
+            prefix = f"{r['source']}.vllm_vs.c{r['concurrency']}"
             out |= {f"{prefix}.{k}": float(v) for k, v in r.items() if k.endswith("_x")}
         return out
 
@@ -169,114 +190,83 @@ class SweepResult:
             "prompts": self.prompts,
             "rows": self.rows(),
             "ratios": self.ratios(),
+            "comparisons": comparisons(self.rows()),
         }
 
 
-async def stream_one(client: Any, url: str, body: dict[str, Any]) -> Outcome:
-    """One streaming completion: its latency, TTFT, output tokens, or what went wrong."""
-    import httpx
-
-    started = time.perf_counter()
-    ttft, tokens, done, error = None, 0, False, None
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")[:200]
-                error = f"HTTP {r.status_code}: {text}"
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = f"stream error: {chunk['error'].get('message')}"
-                        continue
-                    choices = chunk.get("choices") or []
-                    if ttft is None and any(c.get("text") for c in choices):
-                        ttft = time.perf_counter() - started
-                    if any(c.get("finish_reason") == "deadline" for c in choices):
-                        error = "generation cut by its deadline"
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    if error is None and not done:
-        error = "stream ended without [DONE]"
-    return Outcome(time.perf_counter() - started, ttft, tokens, error)
+def systems(settings: SweepSettings) -> list[System]:
+    out = [
+        System(mode, policy_label(spec), f"/{mode}", {"speculation": spec})
+        for mode in settings.modes
+        for spec in settings.policies
+    ]
+    # vLLM streams usage only when asked; the endpoint always sends it on the last chunk.
+    usage = {"stream_options": {"include_usage": True}}
+    for m in settings.vllm_models:
+        out.append(System(VLLM, m["name"], "", {"model": m["name"], **usage}))
+    return out
 
 
-def _body(settings: SweepSettings, seed: int, text: str, spec: dict[str, Any]) -> dict:
-    return {
-        "prompt": text,
-        "max_tokens": settings.max_tokens,
-        "stream": True,
-        "temperature": settings.temperature,
-        "seed": seed,
-        "speculation": spec,
-    }
+def _bodies(settings: SweepSettings, texts: list[str], system: System) -> list[dict[str, Any]]:
+    base = {"max_tokens": settings.max_tokens, "stream": True, "temperature": settings.temperature}
+    return [{"prompt": t, "seed": i, **base, **system.fields} for i, t in enumerate(texts)]
 
 
-async def run_cell(
-    url: str, texts: list[str], spec: dict[str, Any], concurrency: int, settings: SweepSettings
-) -> tuple[float, list[Outcome]]:
-    """``concurrency`` clients posting every prompt once; (wall seconds, outcome per prompt)."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    outcomes: list[Outcome | None] = [None] * len(texts)
-    async with httpx.AsyncClient(
-        timeout=settings.timeout_s, limits=limits, trust_env=False
-    ) as client:
-
-        async def one_client(c: int) -> None:
-            for i in range(c, len(texts), concurrency):
-                outcomes[i] = await stream_one(client, url, _body(settings, i, texts[i], spec))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one_client(c) for c in range(concurrency)))
-        seconds = time.perf_counter() - started
-    return seconds, [o for o in outcomes if o is not None]
-
-
-async def _warm_up(url: str, text: str, settings: SweepSettings) -> None:
-    """One unmeasured request per setting (a cost-aware policy loads its artifacts on first
+async def _warm_up(urls: dict[str, str], text: str, settings: SweepSettings) -> None:
+    """One unmeasured request per system (a cost-aware policy loads its artifacts on first
     use); a setting the server refuses stops the sweep before any cell is measured."""
-    for spec in settings.policies:
-        _, (outcome,) = await run_cell(url, [text], spec, 1, settings)
+    for system in systems(settings):
+        url = urls[system.mode] + system.path
+        bodies = _bodies(settings, [text], system)
+        _, (outcome,) = await run_cell(url, bodies, 1, settings.timeout_s)
         if outcome.error is not None:
-            raise ValueError(f"warm-up with speculation {json.dumps(spec)}: {outcome.error}")
+            raise ValueError(f"warm-up of {system.mode} {system.policy}: {outcome.error}")
 
 
 def run_sweep(
-    texts: list[str],
+    sources: dict[str, list[str]],
     settings: SweepSettings,
     ray_session: Callable[[], AbstractContextManager[Any]],
     report: Callable[[Cell], None] = lambda cell: None,
+    vllm_app: Callable[..., AbstractContextManager[Any]] | None = None,
 ) -> SweepResult:
-    """Every cell inside ``ray_session()``, mode after mode (each its own app on one Serve
-    instance); ``report`` sees each cell as it ends."""
+    """Every cell, interleaved; ``report`` sees each cell as it ends. The endpoint's modes run
+    inside ``ray_session()``, the vLLM app (when the settings have vLLM models) inside
+    ``vllm_app(settings.vllm_args())``, which yields an object with its ``url``."""
     from ray import serve
 
     cells: list[Cell] = []
-    with ray_session():
-        url = serve_on_loopback()
-        try:
+    with ExitStack() as stack:
+        urls: dict[str, str] = {}
+        if settings.modes:
+            stack.enter_context(ray_session())
+            base = serve_on_loopback()
+            stack.callback(serve.shutdown)
             for mode in settings.modes:
-                name = f"sweep-{mode}"
-                deploy(settings.replica_args(mode), name, url)
-                asyncio.run(_warm_up(url, texts[0], settings))
-                for concurrency in settings.concurrency:
-                    for spec in settings.policies:
-                        cell = run_cell(url, texts, spec, concurrency, settings)
-                        seconds, outcomes = asyncio.run(cell)
-                        cells.append(
-                            Cell(mode, concurrency, policy_label(spec), seconds, tuple(outcomes))
-                        )
-                        report(cells[-1])
-                serve.delete(name)
-        finally:
-            serve.shutdown()
-    return SweepResult(settings, url, len(texts), tuple(cells))
+                deploy(settings.replica_args(mode), f"sweep-{mode}", base, route_prefix=f"/{mode}")
+                urls[mode] = base
+        if settings.vllm_models:
+            if vllm_app is None:
+                from serving.vllm_app import vllm_app
+            # One engine replica (1 CPU bundle) per model id, all resident while one is
+            # measured: the cluster counts a logical CPU for each of them.
+            cpus = max(2, len(settings.vllm_models))
+            urls[VLLM] = stack.enter_context(vllm_app(settings.vllm_args(), num_cpus=cpus)).url
+        first = next(iter(sources.values()))[0]
+        asyncio.run(_warm_up(urls, first, settings))
+        for source, texts in sources.items():
+            for concurrency in settings.concurrency:
+                for system in systems(settings):
+                    url = urls[system.mode] + system.path
+                    bodies = _bodies(settings, texts, system)
+                    seconds, outcomes = asyncio.run(
+                        run_cell(url, bodies, concurrency, settings.timeout_s)
+                    )
+                    cell = Cell(
+                        system.mode, concurrency, system.policy, seconds, tuple(outcomes), source
+                    )
+                    cells.append(cell)
+                    report(cell)
+    prompts = len(next(iter(sources.values())))
+    where = " ".join(f"{k}={v}" for k, v in urls.items())
+    return SweepResult(settings, where, prompts, tuple(cells))

@@ -9,29 +9,30 @@ from pathlib import Path
 from typing import Any
 
 from serving.sweep import SweepResult
+from serving.sweep_compare import comparisons, format_comparisons
 
 HEADER = (
-    f"{'mode':<9}{'clients':>8}  {'policy':<18}{'requests':>9}{'errors':>7}{'req/s':>8}"
-    f"{'out tok/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
+    f"{'source':<10}{'mode':<9}{'clients':>8}  {'policy':<18}{'requests':>9}{'errors':>7}"
+    f"{'req/s':>8}{'out tok/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'TTFT p50':>9}{'TTFT p99':>9}"
 )
 
 
 def format_row(r: dict[str, Any]) -> str:
     return (
-        f"{r['mode']:<9}{r['concurrency']:>8}  {r['policy']:<18}{r['requests']:>9}"
+        f"{r['source']:<10}{r['mode']:<9}{r['concurrency']:>8}  {r['policy']:<18}{r['requests']:>9}"
         f"{r['errors']:>7}{r['req_s']:>8.2f}{r['out_tok_s']:>10.1f}{r['p50_ms']:>8.0f}"
         f"{r['p99_ms']:>8.0f}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}"
     )
 
 
-def format_sweep(result: SweepResult, source: str) -> str:
-    """The table of every cell, then batched / single per (concurrency, policy)."""
+def format_sweep(result: SweepResult, sources: str) -> str:
+    """The table of every cell, batched / single per (source, concurrency, policy), and the vLLM
+    app against the endpoint."""
     s = result.settings
     lines = [
         "",
-        f"{result.prompts} {source} prompts x {s.max_tokens} tokens, "
-        f"T={s.temperature:g}, streamed, batched max_batch={s.max_batch}, "
-        f"endpoint {result.url}",
+        f"{result.prompts} prompts of each of {sources} x {s.max_tokens} tokens, "
+        f"T={s.temperature:g}, streamed, batched max_batch={s.max_batch}; {result.url}",
         "",
         HEADER,
     ]
@@ -41,23 +42,29 @@ def format_sweep(result: SweepResult, source: str) -> str:
         lines += [
             "",
             "batched / single",
-            f"{'clients':>8}  {'policy':<18}{'req/s':>8}"
+            f"{'source':<10}{'clients':>8}  {'policy':<18}{'req/s':>8}"
             f"{'out tok/s':>10}{'p50 lat':>9}{'p50 TTFT':>9}",
         ]
         lines += [
-            f"{r['concurrency']:>8}  {r['policy']:<18}{r['req_s_x']:>7.2f}x"
+            f"{r['source']:<10}{r['concurrency']:>8}  {r['policy']:<18}{r['req_s_x']:>7.2f}x"
             f"{r['out_tok_s_x']:>9.2f}x{r['p50_ms_x']:>8.2f}x{r['ttft_p50_ms_x']:>8.2f}x"
             for r in ratios
         ]
+    lines += format_comparisons(comparisons(result.rows()))
     return "\n".join(lines)
 
 
 def write_results(result: SweepResult, out: Path) -> list[Path]:
-    """``sweep.csv`` (a row per cell), ``ratios.csv`` and ``sweep.json`` (settings included)
-    under ``out``; the paths written."""
+    """``sweep.csv`` (a row per cell), ``ratios.csv``, ``comparisons.csv`` and ``sweep.json``
+    (settings included) under ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, rows in (("sweep.csv", result.rows()), ("ratios.csv", result.ratios())):
+    tables = (
+        ("sweep.csv", result.rows()),
+        ("ratios.csv", result.ratios()),
+        ("comparisons.csv", comparisons(result.rows())),
+    )
+    for name, rows in tables:
         if not rows:
             continue
         with open(out / name, "w", newline="") as f:

@@ -1,7 +1,8 @@
-"""The serving sweep (jobs.bench_serve_sweep) end to end on a real local Ray cluster and Serve:
-both replica modes, two client counts, ShareGPT prompts, every cell present with no errors,
-TTFT within each request's latency, the ratio table, the CSV/JSON files and the MLflow run.
-Also, without Ray: its command line refuses bad input. No assertion depends on speed."""
+"""The serving sweep (jobs.bench_serve_sweep) end to end on real local Ray clusters and Serve:
+both endpoint modes and the vLLM app (real vLLM, its own environment) in one run, two sources,
+two client counts, every cell present (interleaved) with no errors, TTFT within each request's
+latency, the ratio and comparison tables, the CSV/JSON files and the MLflow run. Also, without
+Ray: its command line refuses bad input. No assertion depends on speed."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from jobs import bench_serve_sweep
+from pipeline.vllm_spec.env import vllm_python
 from serving.sweep import SweepSettings, metric_key, policy_label
 
 POLICY = {"policy": "fixed", "k": 2}
 
 
 @pytest.mark.slow
-def test_sweep_measures_every_cell_of_both_modes(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_sweep_measures_every_cell_of_every_system(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Both endpoint modes and the vLLM app (ours and a fixed K), two sources, two client
+    counts: one start-up of everything."""
+    try:
+        vllm_python()
+    except FileNotFoundError as exc:
+        pytest.skip(f"{exc} (make test builds it)")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # its own local cluster
@@ -29,38 +37,25 @@ def test_sweep_measures_every_cell_of_both_modes(tmp_path: Path, monkeypatch, ca
         bench_serve_sweep, "run_sweep", lambda *a, **k: results.append(real(*a, **k)) or results[-1]
     )
     out = tmp_path / "out"
+    argv = ["--source", "sharegpt,humaneval", "--limit", "2", "--max-tokens", "4"]
+    argv += ["--concurrency", "1,2", "--policies", json.dumps([POLICY])]
+    argv += ["--modes", "single,batched", "--vllm", "ours:k=2,draft_model:k=1"]
     metrics = bench_serve_sweep.main(
-        [
-            "--source",
-            "sharegpt",
-            "--limit",
-            "4",
-            "--max-tokens",
-            "4",
-            "--concurrency",
-            "1,2",
-            "--policies",
-            json.dumps([POLICY]),
-            "--modes",
-            "single,batched",
-            "--num-cpus",
-            "2",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ]
+        [*argv, "--num-cpus", "2", "--device", "cpu", "--out", str(out)]
     )
     (result,) = results
     label = policy_label(POLICY)
-    assert [(c.mode, c.concurrency, c.policy) for c in result.cells] == [
-        ("single", 1, label),
-        ("single", 2, label),
-        ("batched", 1, label),
-        ("batched", 2, label),
+    systems = [("single", label), ("batched", label), ("vllm", "ours-k2")]
+    systems.append(("vllm", "draft_model-k1"))
+    # Interleaved: every system's cell at one concurrency before the next concurrency.
+    assert [(c.source, c.concurrency, c.mode, c.policy) for c in result.cells] == [
+        (src, c, mode, policy)
+        for src in ("sharegpt", "humaneval")
+        for c in (1, 2)
+        for mode, policy in systems
     ]
     for cell in result.cells:
-        assert len(cell.outcomes) == 4
+        assert len(cell.outcomes) == 2
         for o in cell.outcomes:
             assert o.error is None
             assert o.ttft is not None and 0 < o.ttft <= o.latency
@@ -68,16 +63,33 @@ def test_sweep_measures_every_cell_of_both_modes(tmp_path: Path, monkeypatch, ca
         row = cell.row()
         assert row["errors"] == 0 and row["req_s"] > 0 and row["out_tok_s"] > 0
         assert row["ttft_p50_ms"] <= row["p50_ms"] and row["ttft_p99_ms"] <= row["p99_ms"]
-    assert [(r["concurrency"], r["policy"]) for r in result.ratios()] == [(1, label), (2, label)]
+    assert [(r["source"], r["concurrency"]) for r in result.ratios()] == [
+        ("sharegpt", 1),
+        ("sharegpt", 2),
+        ("humaneval", 1),
+        ("humaneval", 2),
+    ]
+    compared = result.to_json()["comparisons"]
+    assert [(r["source"], r["concurrency"]) for r in compared] == [
+        ("humaneval", 1),
+        ("humaneval", 2),
+        ("sharegpt", 1),
+        ("sharegpt", 2),
+    ]
+    for r in compared:
+        assert r["best_k"] == "draft_model-k1" and r["errors"] == 0
+        assert r["ours_vs_endpoint_x"] > 0 and r["ours_vs_best_k_x"] > 0
 
     table = capsys.readouterr().out
-    assert "batched / single" in table and table.count(label) >= 2 * 4 + 2
+    assert "batched / single" in table and "vLLM app with our proposer" in table
     with open(out / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 and all(r["errors"] == "0" for r in rows)
-    assert len(json.loads((out / "sweep.json").read_text())["ratios"]) == 2
-    key = f"batched.c2.{metric_key(label)}"
+    assert len(rows) == 16 and all(r["errors"] == "0" for r in rows)
+    assert (out / "comparisons.csv").exists()
+    assert len(json.loads((out / "sweep.json").read_text())["ratios"]) == 4
+    key = f"sharegpt.batched.c2.{metric_key(label)}"
     assert metrics[f"{key}.errors"] == 0 and metrics[f"{key}.req_s"] > 0
+    assert metrics["humaneval.vllm_vs.c2.ours_vs_best_k_x"] > 0
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("bench_serve_sweep").experiment_id])
     assert run.data.metrics[f"{key}.out_tok_s"] == pytest.approx(metrics[f"{key}.out_tok_s"])
@@ -90,6 +102,13 @@ def test_sweep_measures_every_cell_of_both_modes(tmp_path: Path, monkeypatch, ca
         (["--policies", '{"policy": "ar"}'], "non-empty JSON list"),
         (["--policies", '[{"policy": "nope"}]'], "unknown policy"),
         (["--modes", "single,fast"], "distinct modes"),
+        (["--vllm", "ours"], "the others k=K"),
+        (["--vllm", "draft_model:k=2:schedule=1/4"], "none takes no knobs"),
+        (["--vllm", "suffix:k=2"], "the vLLM app serves"),
+        (["--vllm", "none:k=2"], "none takes no knobs"),
+        (["--vllm", "ours:k=2,ours:k=2"], "given twice"),
+        (["--no-vllm", "--modes", ""], "nothing to measure"),
+        (["--source", "sharegpt,sharegpt"], "distinct sources"),
         (["--concurrency", "1,0"], "integers >= 1"),
         (["--limit", "4", "--concurrency", "1,8"], "leaves clients idle"),
     ],
@@ -102,9 +121,26 @@ def test_sweep_command_line_refuses_bad_input(argv, message, capsys) -> None:
 
 def test_sweep_defaults_and_labels() -> None:
     args = bench_serve_sweep.parse_args([])
-    assert args.concurrency == [1, 2, 4, 8, 16] and args.modes == ["single", "batched"]
-    assert [policy_label(s) for s in args.policies] == ["ar", "fixed k=4", "throughput"]
-    assert metric_key("fixed k=4") == "fixed_k_4" and args.source == "sharegpt"
+    assert args.concurrency == [1, 2, 4, 8, 16] and args.modes == ["batched"]
+    assert [policy_label(s) for s in args.policies] == ["throughput"]
+    assert metric_key("fixed k=4") == "fixed_k_4" and args.source == ["sharegpt", "humaneval"]
+    assert [m["name"] for m in args.vllm] == [
+        "ours-k4",
+        "draft_model-k1",
+        "draft_model-k2",
+        "draft_model-k3",
+        "none",
+    ]
+    assert args.vllm[1] == {"name": "draft_model-k1", "speculation": "draft_model", "k": 1}
+    ours = bench_serve_sweep.parse_args(["--vllm", "proposer:k=4:probe_every=4"]).vllm
+    assert ours == [
+        {
+            "name": "proposer-k4-probe_every4",
+            "speculation": "proposer",
+            "k": 4,
+            "policy": {"probe_every": 4},
+        }
+    ]
 
 
 def test_modes_differ_only_in_max_batch() -> None:

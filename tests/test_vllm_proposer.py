@@ -54,6 +54,22 @@ def test_greedy_text_equals_no_speculation(scenarios, cell):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cell", ["c1", "c8", "short"])
+def test_cost_aware_scheduler_keeps_the_greedy_text(scenarios, cell):
+    # vLLM's draft_model drafter, the draft length of each step chosen by CostAwareScheduler
+    # (random on a third of the steps, so lengths 0..4 all meet the text).
+    assert scenarios[f"sched_{cell}"] == scenarios[f"plain_{cell}"]
+
+
+@pytest.mark.slow
+def test_cost_aware_scheduler_varies_the_draft_length(scenarios):
+    spec = scenarios["sched_spec"]
+    drafts, tokens = spec["vllm:spec_decode_num_drafts"], spec["vllm:spec_decode_num_draft_tokens"]
+    assert drafts > 0 and 1.0 < tokens / drafts < 4.0, spec  # neither always 1 nor always K
+    assert 0 < spec["vllm:spec_decode_num_accepted_tokens"] <= tokens
+
+
+@pytest.mark.slow
 def test_rows_reordered_and_preempted_keep_the_text(scenarios):
     assert scenarios["ours_reversed"] == scenarios["plain_c8"]
     assert scenarios["preemptions"] > 0, "the small KV cache was meant to force preemption"

@@ -11,6 +11,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "models", "target")
 CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
+SCHEDULER = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
+DRAFT = os.path.join(ROOT, "models", "draft")
 TEXTS = [
     "def fibonacci(n):\n",
     "import numpy as np\n\ndef normalize(x):\n    ",
@@ -26,7 +28,7 @@ TEXTS = [
 def engine(spec: dict | None, env: dict | None = None, max_model_len: int = 512, **kw):
     from vllm import LLM
 
-    for key in ("SPECBOUND_PROPOSER", "SPECBOUND_PROPOSER_STATS"):
+    for key in ("SPECBOUND_PROPOSER", "SPECBOUND_PROPOSER_STATS", "SPECBOUND_SCHEDULER"):
         os.environ.pop(key, None)
     os.environ.update(env or {})
     return LLM(
@@ -84,6 +86,21 @@ def main(out_path: str) -> None:
         ids(llm.generate(prompts[:4], seeded, use_tqdm=False)) for _ in range(2)
     ]
     result["ours_stats"] = read_stats(stats)
+    del llm
+
+    # The cost-aware scheduler over vLLM's draft_model drafter; exploring every third step
+    # (a random k) so that every draft length, 0 included, meets the text.
+    drafted = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}
+    explore = {"SPECBOUND_SCHEDULER": json.dumps({"explore": 0.34, "seed": 1})}
+    llm = engine(drafted, explore, scheduler_cls=SCHEDULER)
+    result["sched_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
+    result["sched_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
+    result["sched_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
+    result["sched_spec"] = {
+        m.name: m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
+    }
     del llm
 
     # A KV cache too small for the batch: vLLM preempts requests and recomputes them later.

@@ -1,0 +1,97 @@
+"""The cost-aware scheduler's planner (pipeline.vllm_spec.step_planner), without vLLM: the
+online step-cost fit recovers a known cost, acceptance estimates follow each request, and the
+choice is the brute-force best of the model it holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner, features
+
+
+def test_step_cost_fit_recovers_the_cost_it_is_timed_on() -> None:
+    truth = np.array([5.0, 0.2, 1.5, 0.08])
+    planner = StepPlanner(4, PlannerConfig(forget=1.0))
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        rows, k = int(rng.integers(1, 17)), int(rng.integers(0, 5))
+        positions = rows * (1 + int(rng.integers(0, 5)))
+        ms = features(positions, k, rows) @ truth + rng.normal(0, 0.3)
+        planner.observe_step(positions, k, rows, ms)
+    assert planner.theta == pytest.approx(truth, rel=0.05, abs=0.02)
+    planner.observe_step(4, 1, 2, float("nan"))  # an untimed step changes nothing
+    assert planner.steps == 2000
+
+
+def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
+    planner = StepPlanner(4, PlannerConfig(decay=1.0))
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        for rid, rate in (("easy", 0.9), ("hard", 0.2)):
+            k = int(rng.integers(1, 5))
+            accepted = next((i for i in range(k) if rng.random() > rate), k)
+            planner.observe_chain(rid, k, accepted)
+    assert planner.rate("easy") == pytest.approx(0.9, abs=0.02)
+    assert planner.rate("hard") == pytest.approx(0.2, abs=0.02)
+    pooled = planner.pooled[0] / planner.pooled[1]
+    assert planner.rate("new") == pytest.approx(pooled)
+    planner.forget_requests({"easy"})
+    assert set(planner.requests) == {"easy"}
+
+
+def test_choice_is_the_best_k_of_the_model() -> None:
+    planner = StepPlanner(6, PlannerConfig(explore=0.0))
+    planner.theta = np.array([7.0, 0.1, 1.0, 0.05])
+    for rid, accepted in (("a", 3), ("b", 1), ("c", 4)):
+        planner.observe_chain(rid, 4, accepted)
+    ids = ["a", "b", "c"]
+    rates = np.array([planner.rate(r) for r in ids])
+
+    def worth(k: int) -> float:
+        tokens = sum((1 - a ** (k + 1)) / (1 - a) for a in rates)
+        return tokens / planner.step_ms(3 * (1 + k), k, 3)
+
+    assert planner.choose(ids) == max(range(7), key=worth)
+
+
+@pytest.mark.parametrize(("rate", "d0", "want"), [(0.95, 0.1, 6), (0.05, 5.0, 0)])
+def test_choice_drafts_long_when_cheap_and_likely_and_never_when_not(rate, d0, want) -> None:
+    planner = StepPlanner(6, PlannerConfig(explore=0.0, prior_rate=rate, prior_weight=1e6))
+    planner.theta = np.array([7.0, 0.05, d0, 0.01])
+    assert planner.choose(["x", "y"]) == want
+
+
+def test_fixed_design_exploration_and_empty_batches() -> None:
+    assert StepPlanner(3, PlannerConfig(design="fixed")).choose(["a"]) == 3
+    assert StepPlanner(0).choose(["a"]) == 0 and StepPlanner(3).choose([]) == 0
+    planner = StepPlanner(4, PlannerConfig(explore=1.0, seed=3))
+    picks = [planner.choose(["a"]) for _ in range(500)]
+    assert set(picks) == {0, 1, 2, 3, 4} and planner.chosen.sum() == 500
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"explore": 2}', "explore"),
+        ('{"nope": 1}', "unknown field"),
+        ('{"design": "random"}', "design"),
+        ('{"prior_cost": [1, 2]}', "prior_cost"),
+        ("[1]", "JSON object"),
+    ],
+)
+def test_settings_are_refused_with_their_reason(text, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        PlannerConfig.from_env({"SPECBOUND_SCHEDULER": text})
+    assert PlannerConfig.from_env({}) == PlannerConfig()
+
+
+def test_marginal_rule_verifies_a_chain_only_as_far_as_it_pays() -> None:
+    planner = StepPlanner(4, PlannerConfig(prior_rate=0.6, prior_weight=1e6))
+    planner.theta = np.array([7.0, 0.1, 1.0, 0.05])
+    assert planner.keep("r", 4) == 4  # no output measured yet: nothing to price with
+    planner.tokens_per_ms = 2.0  # a position costs 0.1 ms x 2 tokens/ms = 0.2 tokens
+    # 0.6, 0.36, 0.216 >= 0.2 > 0.13: three of four kept.
+    assert planner.keep("r", 4) == 3 and planner.trimmed == 1
+    assert planner.keep("r", 2) == 2
+    assert StepPlanner(4, PlannerConfig(trim=False)).keep("r", 4) == 4

@@ -1,0 +1,167 @@
+"""The vLLM app's ingress: ray.serve.llm's OpenAI router (``OpenAiIngress``: /v1/models,
+/v1/completions, /v1/chat/completions, each request handed to the engine replica of its
+``model``) with what the research endpoint has around it: GET /healthz, the optional API key
+(serving.auth) and a deadline on every request (vllm_serving.deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextvars import ContextVar
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+from ray.llm._internal.serve.core.ingress.ingress import init as init_router_app
+from ray.serve.llm.ingress import OpenAiIngress
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.auth import install_auth, set_api_key
+from serving.errors import error_response, validation_message
+from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
+
+# The generation routes (embeddings, scores, audio and tokenizer routes are not served: the
+# target is a generator and the research endpoint has none of them).
+ROUTES = ("models", "model_data", "completions", "chat")
+ENDPOINTS = {name: DEFAULT_ENDPOINTS[name] for name in ROUTES} | {
+    "healthz": lambda app: app.get("/healthz"),
+}
+
+
+def router_app() -> FastAPI:
+    """ray.serve.llm's FastAPI app (its error handling, CORS, request ids, HTTP metrics) with
+    the API key in front, installed before @serve.ingress copies the app."""
+    app = init_router_app()
+
+    # ray.serve.llm's own handler answers a body that is not JSON with a 500 (it puts the
+    # raw bytes in its reply): a bad body is the client's error, named like the research
+    # endpoint names it.
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return error_response(400, message, param)
+
+    # ray.serve.llm raises fastapi's HTTPException (an unknown model: 404, no model named
+    # with several served: 400), which FastAPI answers as {"detail": ...}: OpenAI's shape.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})
+        return response
+
+    install_auth(app)
+    return app
+
+
+# The engine calls one request made (its own task's context): cancelled at its deadline.
+_CALLS: ContextVar[list | None] = ContextVar("specbound_engine_calls", default=None)
+
+
+class _TrackedHandle:
+    """An engine deployment's handle whose calls are recorded in the request's ``_CALLS``:
+    a stream closed early (or a response awaited past its deadline) leaves its call to the
+    engine replica running, and vLLM generating to max_tokens for no one, until the call is
+    cancelled (vLLM aborts a cancelled request)."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+
+    def options(self, **kwargs: Any) -> _TrackedHandle:
+        return _TrackedHandle(self._handle.options(**kwargs))
+
+    def __getattr__(self, name: str) -> _TrackedMethod:
+        return _TrackedMethod(getattr(self._handle, name))
+
+
+class _TrackedMethod:
+    def __init__(self, method: Any):
+        self._method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        response = self._method.remote(*args, **kwargs)
+        calls = _CALLS.get()
+        if calls is not None:
+            calls.append(response)
+        return response
+
+
+def _cancel(calls: list) -> None:
+    for call in calls:
+        call.cancel()
+
+
+class SpecboundIngress(OpenAiIngress):
+    def __init__(
+        self,
+        llm_deployments: dict[str, Any],
+        model_cards: dict[str, Any],
+        *,
+        request_timeout_s: float,
+        api_key: str | None = None,
+        speculation: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        set_api_key(api_key)  # the middleware reads the process's key per request
+        self.request_timeout_s = request_timeout_s
+        self.speculation = speculation or {}
+
+    async def healthz(self) -> dict[str, Any]:
+        """Open (no key): the ingress is up; each model's engine replicas pass Serve's checks."""
+        return {"status": "ok", "models": self.speculation}
+
+    def _get_configured_serve_handle(self, model_id: str) -> _TrackedHandle:
+        return _TrackedHandle(super()._get_configured_serve_handle(model_id))
+
+    async def _process_llm_request(self, body: Any, call_method: str, raw_request: Any = None):
+        loop = asyncio.get_running_loop()
+        calls: list = []
+        _CALLS.set(calls)  # this request's task: _get_response calls the engine in it
+        ends_at = loop.time() + self.request_timeout_s
+        chat = call_method == "chat"
+        n = getattr(body, "n", None) or 1
+        stream = bool(getattr(body, "stream", False))
+        try:
+            async with asyncio.timeout_at(ends_at):
+                response = await super()._process_llm_request(body, call_method, raw_request)
+        except TimeoutError:
+            _cancel(calls)
+            if stream:
+                # Nothing came before the deadline: the stream is its closing chunk alone.
+                async def closed():
+                    yield deadline_chunk(None, chat, n)
+                    yield "data: [DONE]\n\n"
+
+                return StreamingResponse(closed(), media_type="text/event-stream")
+            return error_response(
+                504,
+                f"the request passed its deadline of {self.request_timeout_s:g} s before its "
+                f"response was complete (finish_reason {FINISH_REASON!r} in a stream): ask for "
+                "fewer tokens, or stream",
+                code="deadline_exceeded",
+                kind="timeout_error",
+            )
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _cancelled_unless_done(
+                guarded(response.body_iterator, ends_at, chat, n), calls, ends_at
+            )
+        return response
+
+
+async def _cancelled_unless_done(packets: Any, calls: list, ends_at: float):
+    """``packets``; the engine calls cancelled if the stream ended at its deadline or its
+    client left (vLLM then aborts the request and stops generating for it)."""
+    loop = asyncio.get_running_loop()
+    finished = False
+    try:
+        async for packet in packets:
+            yield packet
+        finished = loop.time() < ends_at
+    finally:
+        if not finished:
+            _cancel(calls)

@@ -1,0 +1,121 @@
+"""The app's settings as ray.serve.llm ``LLMConfig`` objects: one engine deployment per model
+id, its ``speculative_config`` built the way jobs.bench_vllm builds it (one code path from a
+method name and K to vLLM's config, pipeline.bench.vllm_methods); ``ours`` adds the
+cost-aware scheduler (``scheduler_cls``) over vLLM's draft_model drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.vllm_methods import Method
+from pipeline.vllm_spec.config import ProposerConfig, check
+from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
+from pipeline.vllm_spec.step_planner import PlannerConfig
+from vllm_serving.settings import ServedModel, VllmAppArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULER_CLASS = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
+
+
+def resolve(path: str | None, default: str) -> str:
+    """An absolute path: replicas run in Ray's session directory, not the repository."""
+    p = Path(path or default)
+    return str(p if p.is_absolute() else (ROOT / p).resolve())
+
+
+def engine_env(args: VllmAppArgs) -> dict[str, str]:
+    """What every engine replica's processes need: the project on the path (the proposer is
+    imported in vLLM's worker), and on CPU the CPU build's settings."""
+    env = {"PYTHONPATH": str(ROOT)}
+    if not args.on_gpu:
+        # nobind: 2 cores leave none to pin; the KV cache must fit beside the models.
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+def speculation(
+    model: ServedModel, target: str, draft: str, dtype: str, device: str
+) -> tuple[dict | None, dict[str, Any], dict[str, str]]:
+    """(vLLM's speculative_config or None, extra engine arguments, the engine's extra env) of
+    one model id. Settings are checked here, at deploy, with their reason: vLLM reports a
+    proposer or scheduler that fails to build only as "Engine core initialization failed"."""
+    if model.speculation == "none":
+        return None, {}, {}
+    k = model.draft_length
+    if model.speculation == "ours":
+        PlannerConfig(**model.policy)
+        config = Method(model.name, "draft_model", {"k": k}).entry(draft)["speculative_config"]
+        env = {SCHEDULER_ENV: json.dumps(model.policy)}
+        return config, {"scheduler_cls": SCHEDULER_CLASS}, env
+    knobs: dict[str, Any] = {"k": k}
+    if model.speculation == "proposer":
+        knobs |= {"draft": draft, **model.policy}
+        proposer = ProposerConfig(**{key: v for key, v in knobs.items() if key != "k"})
+        check(proposer, target, dtype, device, vllm_version())
+    method = "ours" if model.speculation == "proposer" else model.speculation
+    entry = Method(model.name, method, knobs).entry(draft)
+    return entry["speculative_config"], {}, entry.get("env", {})
+
+
+def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:
+    """One LLMConfig (as a dict) per model id."""
+    target = resolve(args.target, "models/target")
+    draft = resolve(args.draft, "models/draft")
+    gpu = args.on_gpu
+    bundle: dict[str, float] = {"CPU": args.engine_cpus} | ({"GPU": args.num_gpus} if gpu else {})
+    configs = []
+    for model in args.models:
+        dtype = args.dtype if args.dtype != "auto" or gpu else "float32"
+        spec, extra, extra_env = speculation(model, target, draft, dtype, "cuda" if gpu else "cpu")
+        engine: dict[str, Any] = {
+            "dtype": dtype,
+            "enforce_eager": (not gpu) if args.enforce_eager is None else args.enforce_eager,
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "disable_log_stats": False,
+        }
+        if spec is not None:
+            engine["speculative_config"] = spec
+        engine |= extra
+        configs.append(
+            {
+                "model_loading_config": {"model_id": model.name, "model_source": target},
+                "engine_kwargs": engine,
+                # Without it ray.serve.llm asks every engine for a GPU; with it the engine's
+                # placement group is this bundle (on CPU: vLLM's CPU engine).
+                "placement_group_config": {"bundles": [bundle]},
+                "runtime_env": {"env_vars": engine_env(args) | extra_env},
+                "deployment_config": {
+                    # The engine's bundle holds the replica's CPUs; the actor itself asks for
+                    # none, so two replicas fit on two cores.
+                    "ray_actor_options": {"num_cpus": 0},
+                    "max_ongoing_requests": args.max_ongoing_requests,
+                    "autoscaling_config": {
+                        "min_replicas": args.min_replicas,
+                        "max_replicas": args.max_replicas,
+                        "target_ongoing_requests": args.target_ongoing_requests,
+                        "upscale_delay_s": 2,
+                    },
+                    "health_check_period_s": 5,
+                },
+                "log_engine_metrics": True,  # vLLM's counters as Ray metrics (Prometheus)
+            }
+        )
+    return configs
+
+
+def vllm_version() -> str | None:
+    try:
+        import vllm
+    except ImportError:  # the settings are checked in the project's environment too
+        return None
+    return vllm.__version__
+
+
+def describe(args: VllmAppArgs) -> str:
+    return json.dumps(
+        {m.name: {"speculation": m.speculation, "k": m.draft_length} for m in args.models}
+    )
