@@ -11,8 +11,7 @@ a RuntimeError deep in its engine start).
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from pipeline.acceptance.model import AcceptanceModel
 from pipeline.cost.batch import BatchCost
 from pipeline.cost.provenance import checkpoint_fingerprint
 from pipeline.vllm_spec import step_cost
+from pipeline.vllm_spec.env_settings import fields_from_env
 
 ENV = "SPECBOUND_PROPOSER"
 CLASS_PATH = "pipeline.vllm_spec.proposer.CostAwareProposer"
@@ -53,19 +53,7 @@ class ProposerConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ProposerConfig:
-        text = (os.environ if environ is None else environ).get(ENV, "").strip()
-        if not text:
-            return cls()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"${ENV} is not JSON ({exc}): {text[:80]!r}") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"${ENV} must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(data) - known):
-            raise ValueError(f"${ENV}: unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        return cls(**fields_from_env(cls, ENV, environ))
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -20,11 +20,11 @@ for a chain already drafted: its j-th token is verified only if what it adds in 
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
+
+from pipeline.vllm_spec.env_settings import fields_from_env
 
 ENV = "SPECBOUND_SCHEDULER"
 
@@ -57,15 +57,7 @@ class PlannerConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> PlannerConfig:
-        text = (os.environ if environ is None else environ).get(ENV, "").strip()
-        if not text:
-            return cls()
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"${ENV} must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(data) - known):
-            raise ValueError(f"${ENV}: unknown field(s) {unknown}; known: {sorted(known)}")
+        data = fields_from_env(cls, ENV, environ)
         if "prior_cost" in data:
             data["prior_cost"] = tuple(float(x) for x in data["prior_cost"])
         return cls(**data)
