@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ WORST = {
 def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
     serve_bin = Path(sys.executable).with_name("serve")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster
+    # ... and its own Ray temp dir: with none given, ray.init() joins whatever cluster
+    # /tmp/ray/ray_current_cluster names (one another test's `ray start` may have left).
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="sr", dir="/tmp")
     with held_port() as port:
         config = {
             "http_options": {"host": "127.0.0.1", "port": port},
