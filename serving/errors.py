@@ -120,15 +120,18 @@ class CatchAll:
             await response(scope, receive, send)
 
 
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that fails validation: a 400 naming the field (both endpoints)."""
+    message, param = validation_message(list(exc.errors()))
+    return error_response(400, message, param)
+
+
 def install_error_handlers(api: FastAPI) -> None:
     @api.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
         return exc.response()
 
-    @api.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
-        return error_response(400, message, param)
+    api.add_exception_handler(RequestValidationError, validation_error)
 
     @api.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

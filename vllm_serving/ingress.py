@@ -19,7 +19,7 @@ from ray.serve.llm.ingress import OpenAiIngress
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.auth import install_auth, set_api_key
-from serving.errors import error_response, validation_message
+from serving.errors import error_response, validation_error
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 
 # The generation routes (embeddings, scores, audio and tokenizer routes are not served: the
@@ -38,10 +38,7 @@ def router_app() -> FastAPI:
     # ray.serve.llm's own handler answers a body that is not JSON with a 500 (it puts the
     # raw bytes in its reply): a bad body is the client's error, named like the research
     # endpoint names it.
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
-        return error_response(400, message, param)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
     # ray.serve.llm raises fastapi's HTTPException (an unknown model: 404, no model named
     # with several served: 400), which FastAPI answers as {"detail": ...}: OpenAI's shape.
