@@ -26,6 +26,8 @@ the others are reported, and the run ends naming it with a non-zero exit.
     python -m jobs.bench_online --domains all --policies ar,fixed:k=2,fixed:k=4,throughput
     # the second pair (a 2-layer draft), its artifacts beside it
     python -m jobs.bench_online --draft models/draft-2layer --artifacts models/draft-2layer
+    # the third: the EAGLE-3 head (measured figures only: no bound, no assisted generation)
+    python -m jobs.bench_online --draft models/eagle3-head --artifacts models/eagle3-head
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="DIR",
         help="read predictor/, costmodel.json, policy.json and acceptance.json from "
-        "DIR (a second pair's); overrides the four options above",
+        "DIR (another pair's); overrides the four options above (a missing predictor/ "
+        "or policy.json keeps the option's)",
     )
     p.add_argument(
         "--policies",
@@ -145,10 +148,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.artifacts is not None:
         if not args.artifacts.is_dir():
             p.error(f"--artifacts {args.artifacts}: not a directory")
-        args.predictor = args.artifacts / "predictor"
         args.costmodel = args.artifacts / "costmodel.json"
-        args.policy = args.artifacts / "policy.json"
         args.acceptance = args.artifacts / "acceptance.json"
+        # A pair without its own expert predictor or oracle lambda (the EAGLE-3 head's: both
+        # come from an extraction) keeps the embedded pair's, said here.
+        for name, attr in (("predictor", "predictor"), ("policy.json", "policy")):
+            if (args.artifacts / name).exists():
+                setattr(args, attr, args.artifacts / name)
+            else:
+                print(
+                    f"[bench_online] {args.artifacts} has no {name}: using {getattr(args, attr)}"
+                    " (ecospec, ecospec-global, marginal and cascade read it)",
+                    flush=True,
+                )
     if args.policies is not None:
         try:
             args.policies = parse_policy_specs(args.policies)
@@ -230,6 +242,13 @@ def _bench_source(
 def main(argv: list[str] | None = None) -> list[BenchRow]:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
+    if pair.draft_is_head and not args.no_bound:
+        print(
+            "[bench_online] an EAGLE-3 head: measured figures only (the oracle's extraction "
+            "takes separate draft models), no transformers assisted generation",
+            flush=True,
+        )
+        args.no_bound, args.no_assisted = True, True
     artifacts = load_artifacts(
         args.predictor, args.costmodel, args.policy, str(pair.device), args.acceptance
     )

@@ -18,6 +18,12 @@ Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expand
                             vLLM's num_speculative_tokens_per_batch_size: K by the number
                             of requests scheduled in a step (start:K ranges, each up to the
                             next start; K capped at k)
+  draft_model:k=K:cost_aware=true
+                            the same drafter under our scheduler
+                            (pipeline.vllm_spec.scheduler): each step's K, at most k, from
+                            the acceptance and step costs it learns from the engine
+  eagle3:k=K                the EAGLE-3 head (models/eagle3-head; head=DIR for another),
+                            K tokens a step; cost_aware=true as above
   ngram:k=K                 prompt lookup (min=, max=: window; vLLM's default is 5..5)
   suffix                    suffix decoding (needs arctic-inference; recorded as failed
                             when absent)

@@ -4,6 +4,8 @@
     python -m jobs.train_tiny --out /tmp/m --target-steps 5 --draft-steps 5   # smoke test
     # a second pair: a 2-layer draft distilled from the committed target (~10 min)
     python -m jobs.train_tiny --draft-for models/target --draft-layers 2 --out models/draft-2layer
+    # an EAGLE-3 head for the committed target, training-time test (~12 min)
+    python -m jobs.train_tiny --head-for models/target --out models/eagle3-head
 
 Prints, and logs to MLflow: the target's held-out loss, the draft's top-1 agreement with the
 target's greedy next token on held-out text, and the time of one draft decode step over one
@@ -19,6 +21,7 @@ import torch
 
 from jobs.cli import parser, run
 from pipeline.tiny.build import build_embedded_models
+from pipeline.tiny.eagle3_training import HeadTraining, train_head
 from pipeline.tiny.second_draft import distill_second_draft
 from pipeline.tiny.training import TinySizes
 from pipeline.tracking import tracked_run
@@ -53,7 +56,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--draft-layers", type=int, default=2, help="with --draft-for: the draft's decoder layers"
     )
+    p.add_argument(
+        "--head-for",
+        type=Path,
+        default=None,
+        metavar="TARGET_DIR",
+        help="train only an EAGLE-3 head for this target checkpoint (SpecForge layout); "
+        "--out is then the head's directory",
+    )
+    p.add_argument("--head-steps", type=int, default=1000, help="with --head-for: head steps")
+    p.add_argument(
+        "--ttt-steps", type=int, default=5, help="with --head-for: training-time-test steps"
+    )
     args = p.parse_args(argv)
+    if args.head_for is not None:
+        if args.draft_for is not None:
+            p.error("--head-for and --draft-for each train one model: give one")
+        if args.out is None:
+            p.error("--head-for needs --out: the head's own directory (it is replaced)")
+        if args.head_steps < 1 or args.ttt_steps < 1:
+            p.error("--head-steps and --ttt-steps must be >= 1")
+        report = args.out / "train_report.json"
+        if args.out.exists() and not (report.is_file() and "ttt_steps" in report.read_text()):
+            p.error(f"--out {args.out} exists and is not a head: choose a new directory")
+        return args
     if args.draft_for is None:
         args.out = args.out or Path("models")
         return args
@@ -76,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # model initialisation in the build draws from it
+    if args.head_for is not None:
+        return eagle3_head(args)
     if args.draft_for is not None:
         return second_draft(args)
     sizes = TinySizes()
@@ -133,6 +161,19 @@ def second_draft(args: argparse.Namespace) -> dict[str, float]:
     for key, value in report.items():
         print(f"  {key:32s}{value}")
     return {k: float(v) for k, v in report.items()}
+
+
+def eagle3_head(args: argparse.Namespace) -> dict[str, float]:
+    training = HeadTraining(steps=args.head_steps, ttt_steps=args.ttt_steps, seed=args.seed)
+    report = train_head(args.head_for, args.out, training, log=lambda s: print(s, flush=True))
+    numeric = {k: float(v) for k, v in report.items() if isinstance(v, int | float)}
+    with tracked_run("train_tiny", params={**vars(args)}) as tracked:
+        tracked.log_metrics(numeric)
+        tracked.log_artifact(str(args.out / "train_report.json"))
+    print(f"\nEAGLE-3 head for {args.head_for} written to {args.out}")
+    for key, value in report.items():
+        print(f"  {key:32s}{value}")
+    return numeric
 
 
 if __name__ == "__main__":

@@ -175,12 +175,26 @@ def _embedded():
     return pair, load_artifacts(), prompts, 24
 
 
+def _embedded_head():
+    """The embedded target with its committed EAGLE-3 head (synthetic artifacts: the
+    committed ones were learned with the draft model)."""
+    from pipeline.data.prompts import load_humaneval
+    from pipeline.models.loading import DEFAULT_HEAD, load_pair
+
+    pair = load_pair(draft=DEFAULT_HEAD)
+    texts = ["def fib(n):\n    if n < 2:\n", *(p.text for p in load_humaneval(limit=2))]
+    prompts = [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-256:] for t in texts]
+    return pair, synthetic_artifacts(pair), prompts, 24
+
+
 CONFIGURATIONS = {
     # Tiny noisy pairs of two MoE families, synthetic artifacts: 8 random prompts, 16 tokens.
     "qwen3_moe": lambda: _tiny("qwen3_moe"),
     "mixtral": lambda: _tiny("mixtral"),
     # The embedded models with the artifacts committed beside them: code prompts, 24 tokens.
     "embedded": _embedded,
+    # The embedded target drafting with its EAGLE-3 head (pipeline.decode.head_drafter).
+    "embedded-eagle3": _embedded_head,
 }
 
 

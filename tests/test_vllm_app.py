@@ -117,6 +117,27 @@ def test_ours_is_the_scheduler_over_vllms_draft_model():
     assert PROPOSER_ENV not in env
 
 
+def test_ours_eagle3_is_the_scheduler_over_vllms_eagle3_drafter_with_the_head():
+    config = _config({"speculation": "ours-eagle3"})
+    engine = config["engine_kwargs"]
+    assert engine["speculative_config"] == {
+        "method": "eagle3",
+        "num_speculative_tokens": DEFAULT_K["ours-eagle3"],
+        "model": str(ROOT / "models" / "eagle3-head"),
+    }
+    assert engine["scheduler_cls"] == SCHEDULER_CLASS
+    assert "scheduler_cls" not in _config({"speculation": "eagle3"})["engine_kwargs"]
+
+
+def test_a_head_for_another_target_is_refused_at_deploy(tmp_path):
+    from pipeline.models.eagle3_formats import VerifierMismatchError, save_head
+    from tests.tinymodels import tiny_head, tiny_model
+
+    save_head(tiny_head(tiny_model("qwen3_moe")), tmp_path / "head", "speculators")
+    with pytest.raises(VerifierMismatchError, match="width 64, the target's are 128"):
+        _config({"speculation": "eagle3", "head": str(tmp_path / "head")})
+
+
 def test_proposer_is_the_custom_class_with_its_settings_in_the_env():
     config = _config({"speculation": "proposer", "policy": {"design": "fixed"}})
     engine, env = config["engine_kwargs"], config["runtime_env"]["env_vars"]

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    """tests/vllm_scenarios.py's results: one vLLM process, five engines (about 2 minutes)."""
+    """tests/vllm_scenarios.py's results: one vLLM process, seven engines (about 3 minutes)."""
     try:
         python = vllm_python()
     except FileNotFoundError as exc:
@@ -67,6 +67,26 @@ def test_cost_aware_scheduler_varies_the_draft_length(scenarios):
     drafts, tokens = spec["vllm:spec_decode_num_drafts"], spec["vllm:spec_decode_num_draft_tokens"]
     assert drafts > 0 and 1.0 < tokens / drafts < 4.0, spec  # neither always 1 nor always K
     assert 0 < spec["vllm:spec_decode_num_accepted_tokens"] <= tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", ["c1", "c8", "short"])
+def test_vllm_serves_the_eagle3_head_with_the_greedy_text(scenarios, cell):
+    # vLLM's eagle3 method over the committed head (models/eagle3-head, SpecForge layout).
+    assert scenarios[f"eagle3_{cell}"] == scenarios[f"plain_{cell}"]
+
+
+@pytest.mark.slow
+def test_the_head_drafts_accepted_tokens_in_vllm_also_under_the_scheduler(scenarios):
+    assert scenarios["sched_eagle3_c8"] == scenarios["plain_c8"]
+    assert scenarios["sched_eagle3_short"] == scenarios["plain_short"]
+    for name in ("eagle3_spec", "sched_eagle3_spec"):
+        spec = scenarios[name]
+        tokens = spec["vllm:spec_decode_num_draft_tokens"]
+        # A trained head: most drafted tokens are accepted (a random one accepts none).
+        assert 0.3 * tokens < spec["vllm:spec_decode_num_accepted_tokens"] <= tokens, spec
+    spec = scenarios["sched_eagle3_spec"]
+    assert spec["vllm:spec_decode_num_draft_tokens"] / spec["vllm:spec_decode_num_drafts"] > 1.0
 
 
 @pytest.mark.slow

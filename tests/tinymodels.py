@@ -97,3 +97,42 @@ def tiny_model(
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.mlp.router.bias, std=1.0)
     return model.eval()
+
+
+def tiny_head(
+    target: PreTrainedModel,
+    seed: int = 0,
+    draft_vocab: int | None = None,
+    aux_layer_ids: tuple[int, ...] = (0, 1, 2),
+):
+    """A random-weight EAGLE-3 head for ``target`` (its width, vocabulary and first three
+    layers); with ``draft_vocab`` a reduced draft vocabulary mapped through a random d2t."""
+    from pipeline.models.eagle3 import Eagle3Config, Eagle3Head
+
+    tc = target.config
+    vocab = tc.vocab_size
+    cfg = Eagle3Config(
+        hidden_size=tc.hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab or vocab,
+        target_hidden_size=tc.hidden_size,
+        aux_layer_ids=aux_layer_ids,
+        max_position_embeddings=512,
+        verifier_architectures=tuple(tc.architectures or ()),
+    )
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 * 4)
+        if draft_vocab:
+            kept = torch.randperm(vocab)[:draft_vocab].sort().values
+            head.d2t.copy_(kept - torch.arange(draft_vocab))
+            head.t2d.zero_()
+            head.t2d[kept] = True
+    return head.eval()

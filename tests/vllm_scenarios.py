@@ -13,6 +13,7 @@ TARGET = os.path.join(ROOT, "models", "target")
 CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
 SCHEDULER = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
 DRAFT = os.path.join(ROOT, "models", "draft")
+HEAD = os.path.join(ROOT, "models", "eagle3-head")
 TEXTS = [
     "def fibonacci(n):\n",
     "import numpy as np\n\ndef normalize(x):\n    ",
@@ -42,6 +43,15 @@ def engine(spec: dict | None, env: dict | None = None, max_model_len: int = 512,
         disable_log_stats=False,
         **kw,
     )
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's speculation counters (drafts, draft tokens, accepted tokens)."""
+    return {
+        m.name: m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
+    }
 
 
 def ids(outs) -> list[list[int]]:
@@ -96,11 +106,21 @@ def main(out_path: str) -> None:
     result["sched_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
     result["sched_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
     result["sched_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
-    result["sched_spec"] = {
-        m.name: m.value
-        for m in llm.get_metrics()
-        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
-    }
+    result["sched_spec"] = spec_counters(llm)
+    del llm
+
+    # vLLM's EAGLE-3 drafter over the committed head, then under the cost-aware scheduler.
+    headed = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 4}
+    llm = engine(headed)
+    result["eagle3_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
+    result["eagle3_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
+    result["eagle3_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
+    result["eagle3_spec"] = spec_counters(llm)
+    del llm
+    llm = engine(headed, explore, scheduler_cls=SCHEDULER)
+    result["sched_eagle3_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
+    result["sched_eagle3_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
+    result["sched_eagle3_spec"] = spec_counters(llm)
     del llm
 
     # A KV cache too small for the batch: vLLM preempts requests and recomputes them later.

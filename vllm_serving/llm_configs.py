@@ -1,7 +1,8 @@
 """The app's settings as ray.serve.llm ``LLMConfig`` objects: one engine deployment per model
 id, its ``speculative_config`` built the way jobs.bench_vllm builds it (one code path from a
 method name and K to vLLM's config, pipeline.bench.vllm_methods); ``ours`` adds the
-cost-aware scheduler (``scheduler_cls``) over vLLM's draft_model drafter."""
+cost-aware scheduler (``scheduler_cls``) over vLLM's draft_model drafter, ``ours-eagle3`` over
+its EAGLE-3 drafter (the head checked against the target first)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.vllm_methods import Method
+from pipeline.bench.vllm_methods import SCHEDULER_CLASS, Method
 from pipeline.vllm_spec.config import ProposerConfig, check
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from pipeline.vllm_spec.step_planner import PlannerConfig
 from vllm_serving.settings import ServedModel, VllmAppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULER_CLASS = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
 
 
 def resolve(path: str | None, default: str) -> str:
@@ -36,8 +36,18 @@ def engine_env(args: VllmAppArgs) -> dict[str, str]:
     return env
 
 
+def check_head(head: str, target: str) -> None:
+    """Refuse an EAGLE-3 head trained for another target, at deploy: vLLM checks neither the
+    verifier nor the feature width (a mismatch fails at the first draft step)."""
+    from transformers import AutoConfig
+
+    from pipeline.models.eagle3_formats import bind_to_target, read_config
+
+    bind_to_target(read_config(head)[0], AutoConfig.from_pretrained(target))
+
+
 def speculation(
-    model: ServedModel, target: str, draft: str, dtype: str, device: str
+    model: ServedModel, target: str, draft: str, dtype: str, device: str, head: str = ""
 ) -> tuple[dict | None, dict[str, Any], dict[str, str]]:
     """(vLLM's speculative_config or None, extra engine arguments, the engine's extra env) of
     one model id. Settings are checked here, at deploy, with their reason: vLLM reports a
@@ -45,9 +55,12 @@ def speculation(
     if model.speculation == "none":
         return None, {}, {}
     k = model.draft_length
-    if model.speculation == "ours":
+    if model.speculation in ("eagle3", "ours-eagle3"):
+        check_head(head, target)
+    if model.speculation in ("ours", "ours-eagle3"):
         PlannerConfig(**model.policy)
-        config = Method(model.name, "draft_model", {"k": k}).entry(draft)["speculative_config"]
+        drafter = "draft_model" if model.speculation == "ours" else "eagle3"
+        config = Method(model.name, drafter, {"k": k}).entry(draft, head)["speculative_config"]
         env = {SCHEDULER_ENV: json.dumps(model.policy)}
         return config, {"scheduler_cls": SCHEDULER_CLASS}, env
     knobs: dict[str, Any] = {"k": k}
@@ -56,7 +69,7 @@ def speculation(
         proposer = ProposerConfig(**{key: v for key, v in knobs.items() if key != "k"})
         check(proposer, target, dtype, device, vllm_version())
     method = "ours" if model.speculation == "proposer" else model.speculation
-    entry = Method(model.name, method, knobs).entry(draft)
+    entry = Method(model.name, method, knobs).entry(draft, head)
     return entry["speculative_config"], {}, entry.get("env", {})
 
 
@@ -64,12 +77,14 @@ def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:
     """One LLMConfig (as a dict) per model id."""
     target = resolve(args.target, "models/target")
     draft = resolve(args.draft, "models/draft")
+    head = resolve(args.head, "models/eagle3-head")
     gpu = args.on_gpu
     bundle: dict[str, float] = {"CPU": args.engine_cpus} | ({"GPU": args.num_gpus} if gpu else {})
     configs = []
     for model in args.models:
         dtype = args.dtype if args.dtype != "auto" or gpu else "float32"
-        spec, extra, extra_env = speculation(model, target, draft, dtype, "cuda" if gpu else "cpu")
+        device = "cuda" if gpu else "cpu"
+        spec, extra, extra_env = speculation(model, target, draft, dtype, device, head)
         engine: dict[str, Any] = {
             "dtype": dtype,
             "enforce_eager": (not gpu) if args.enforce_eager is None else args.enforce_eager,

@@ -17,10 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # ours: vLLM's draft_model drafter, the draft length of every step chosen by the cost-aware
 # scheduler (pipeline.vllm_spec.scheduler); proposer: the cost-aware custom_class proposer
 # (pipeline.vllm_spec.proposer: our own draft forwards, per-row lengths); draft_model and
-# ngram: vLLM's own at a fixed K; none: no speculation.
-SPECULATION = ("ours", "proposer", "draft_model", "ngram", "none")
-DEFAULT_K = {"ours": 4, "proposer": 6, "draft_model": 2, "ngram": 4, "none": 0}
-POLICY_SETTINGS = ("ours", "proposer")
+# ngram: vLLM's own at a fixed K; eagle3: vLLM's EAGLE-3 drafter over the head at a fixed K;
+# ours-eagle3: that drafter under the cost-aware scheduler; none: no speculation.
+SPECULATION = ("ours", "ours-eagle3", "proposer", "draft_model", "eagle3", "ngram", "none")
+DEFAULT_K = {
+    "ours": 4,
+    "ours-eagle3": 4,
+    "proposer": 6,
+    "draft_model": 2,
+    "eagle3": 4,
+    "ngram": 4,
+    "none": 0,
+}
+POLICY_SETTINGS = ("ours", "ours-eagle3", "proposer")
 
 
 class ServedModel(BaseModel):
@@ -49,7 +58,8 @@ class ServedModel(BaseModel):
             raise ValueError(f"model {self.name!r}: speculation none takes no k")
         if self.policy and self.speculation not in POLICY_SETTINGS:
             raise ValueError(
-                f"model {self.name!r}: policy settings are for speculation ours or proposer"
+                f"model {self.name!r}: policy settings are for speculation "
+                f"{', '.join(POLICY_SETTINGS)}"
             )
         return self
 
@@ -65,6 +75,7 @@ class VllmAppArgs(BaseModel):
 
     target: str | None = None  # None: the embedded models/target (absolute paths elsewhere)
     draft: str | None = None  # the draft of draft_model and of ours; None: models/draft
+    head: str | None = None  # the EAGLE-3 head of eagle3 and ours-eagle3; None: models/eagle3-head
     # One engine deployment per entry; a bare `speculation=` / `k=` sets the single model's.
     models: list[ServedModel] = [ServedModel()]
     device: str = Field("auto", pattern="^(auto|cpu|cuda)$")  # auto: CUDA when num_gpus > 0

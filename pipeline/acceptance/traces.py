@@ -27,6 +27,7 @@ from pipeline.data.prompts import Prompt, encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.simple import AutoregressivePolicy
 from pipeline.decode.types import SamplingConfig
+from pipeline.models.draft_pass import draft_pass
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing, unique_experts_per_layer
 
@@ -86,9 +87,9 @@ def trace_prompt(
     start, n = len(ids) - 1, len(gen.tokens)  # logits at start + i predict gen.tokens[i]
     out, routing = forward_with_routing(pair.target, pair.spec, full)
     p = sampling.probs(out.logits[0, start : start + n])
-    draft_out = pair.draft(full, output_hidden_states=True)
-    q = sampling.probs(draft_out.logits[0, start : start + n])
-    hidden = draft_out.hidden_states[-1][0, start : start + n]
+    draft_logits, draft_hidden = draft_pass(pair, full)  # a model or an EAGLE-3 head
+    q = sampling.probs(draft_logits[0, start : start + n])
+    hidden = draft_hidden[0, start : start + n]
     if sampling.greedy:
         target_tokens = torch.tensor(gen.tokens, device=q.device)
         labels = (q.argmax(-1) == target_tokens).float()

@@ -79,6 +79,7 @@ def bench_assisted(
     """transformers' generate(assistant_model=draft), same prompts and token budget. Its time
     includes both prefills, measured apart (a target and a draft forward over the prompt) and
     subtracted, so it is comparable with the engine's step times."""
+    pair.require_draft_model("transformers' assisted generation")
     tokens, seconds, outputs = 0, 0.0, []
     for seed, ids in enumerate(prompts):
         torch.manual_seed(seed)

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PROPOSER_CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
+SCHEDULER_CLASS = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
+# The committed EAGLE-3 head of the embedded target (jobs.train_tiny --head-for).
+DEFAULT_HEAD = str(Path(__file__).resolve().parents[2] / "models" / "eagle3-head")
 # Knobs each method takes; any other knob of `ours` is a proposer setting (SPECBOUND_PROPOSER).
+# cost_aware=true runs vLLM's drafter under our scheduler (each step's K from its own model).
 METHOD_KNOBS: dict[str, set[str]] = {
     "none": set(),
-    "draft_model": {"k", "schedule", "draft_sample_method"},
+    "draft_model": {"k", "schedule", "draft_sample_method", "cost_aware"},
+    "eagle3": {"k", "head", "cost_aware"},
     "ngram": {"k", "min", "max"},
     "suffix": {"k"},
     "ours": {"k"},
@@ -29,8 +35,9 @@ class Method:
     name: str
     knobs: dict = field(default_factory=dict)
 
-    def entry(self, draft: str) -> dict:
-        """The run_cells method entry: speculative_config, engine env, proposer stats."""
+    def entry(self, draft: str, head: str = DEFAULT_HEAD) -> dict:
+        """The run_cells method entry: speculative_config, engine kwargs and env, proposer
+        stats."""
         k, knobs = self.knobs.get("k"), self.knobs
         if self.name == "none":
             return {"name": self.label, "speculative_config": None}
@@ -44,6 +51,8 @@ class Method:
                 config["draft_sample_method"] = knobs["draft_sample_method"]
             if "schedule" in knobs:
                 config["num_speculative_tokens_per_batch_size"] = parse_schedule(knobs["schedule"])
+        elif self.name == "eagle3":
+            config["model"] = str(knobs.get("head", head))
         elif self.name == "ngram":
             config.update(
                 {f"prompt_lookup_{b}": int(knobs[b]) for b in ("min", "max") if b in knobs}
@@ -53,6 +62,8 @@ class Method:
             settings = {key: v for key, v in knobs.items() if key != "k"}
             entry["env"] = {"SPECBOUND_PROPOSER": json.dumps(settings)}
             entry["proposer_stats"] = True
+        if knobs.get("cost_aware") is True:
+            entry["engine_kwargs"] = {"scheduler_cls": SCHEDULER_CLASS}
         return entry
 
 
@@ -118,7 +129,7 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
                 f"{', '.join(sorted(METHOD_KNOBS[name])) or 'none'})"
             )
     k = knobs.get("k")
-    if name in ("draft_model", "ours", "ngram") and k is None:
+    if name in ("draft_model", "eagle3", "ours", "ngram") and k is None:
         raise ValueError(f"method {item!r} needs k=<draft tokens> (or k=A..B)")
     ks = [None]
     if k is not None:
@@ -131,6 +142,8 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
             raise ValueError(f"method {item!r}: k must be >= 1, got {k!r}")
     if "schedule" in knobs:
         parse_schedule(knobs["schedule"])
+    if knobs.get("cost_aware", "true") not in ("true", "false"):
+        raise ValueError(f"method {item!r}: cost_aware is true or false")
     out = []
     for kk in ks:
         values = {key: _value(v) for key, v in knobs.items() if key not in ("k", "schedule")}

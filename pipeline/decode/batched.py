@@ -120,6 +120,8 @@ class BatchedEngine(SpeculativeEngine):
         limits: StepLimits | None = None,
         batcher: ForwardBatcher | None = None,
     ) -> None:
+        # The packed forwards run causal LMs; a head's steps read the target's features.
+        pair.require_draft_model("continuous batching (the endpoint's max_batch > 1)")
         for model in (pair.target, pair.draft):
             window = sliding_window(model.config)
             if window is not None:

@@ -148,5 +148,9 @@ class Drafter:
             return int(probs.argmax())
         return self.rng.categorical(probs)
 
+    def observe(self, path: list[int]) -> None:
+        """The verification pass committed the rows ``path`` of its forward (a draft model
+        needs nothing from it; an EAGLE-3 head reads the target's features there)."""
+
     def end(self) -> None:
         self._crop(self.committed_len)

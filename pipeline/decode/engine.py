@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from pipeline.decode.acceptance import accept
 from pipeline.decode.drafter import Drafter
+from pipeline.decode.head_drafter import HeadDrafter
 from pipeline.decode.randomness import RandomSource, TorchRandom
 from pipeline.decode.step_limits import StepLimitExceeded, StepLimits
 from pipeline.decode.stream import GenerationStream
@@ -67,6 +68,8 @@ class DecodeSession:
     # The target's cache and forwards, the only parts a batched session replaces
     # (pipeline.decode.batched).
     def _new_drafter(self) -> Drafter:
+        if self.pair.draft_is_head:
+            return HeadDrafter(self.pair, self.sampling, self.rng, self.limits)
         return Drafter(self.pair, self.sampling, self.rng, self.limits)
 
     def _prefill_target(self, ids: list[int]) -> None:
@@ -159,7 +162,9 @@ class DecodeSession:
         cache, record the step, let the policy adapt; the new tokens."""
         base = len(self.committed) - 1
         new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.rng)
-        self._keep_target(base, [0] + [n + 1 for n in accepted])
+        path = [0] + [n + 1 for n in accepted]
+        self._keep_target(base, path)
+        self.drafter.observe(path)
         self.committed.extend(new)
         routing_np = routing.cpu().numpy()
         unique = [len(np.unique(routing_np[:, layer])) for layer in range(routing_np.shape[1])]

@@ -42,6 +42,8 @@ class TeacherForced:
 @torch.no_grad()
 def teacher_forced(pair: ModelPair, ref: ReferenceSequence) -> TeacherForced:
     """One sequence alone (extraction's original path)."""
+    # A head's junk tails and deeper draft tokens read its own states: not extracted yet.
+    pair.require_draft_model("extraction")
     ids = torch.tensor([ref.all_ids], device=pair.device)
     p0, n = ref.prompt_len - 1, ref.n_tokens  # p0: absolute index of x_0
     # Logits of x_0 .. x_N only (the prompt's other positions predict nothing we use).
@@ -87,6 +89,7 @@ def teacher_forced_batch(pair: ModelPair, refs: list[ReferenceSequence]) -> list
     """The passes of ``refs`` in one forward per model; ``refs[b]``'s result is row b. Left
     padding lines every row's last token up, so keeping the last ``max N + 1`` logits covers
     every row's ``x_0 .. x_N`` (no more logits than the lone passes compute in all)."""
+    pair.require_draft_model("extraction")
     if len(refs) == 1:
         return [teacher_forced(pair, refs[0])]
     ids, mask, positions = left_padded([list(r.all_ids) for r in refs], pair.device)

@@ -12,6 +12,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from pipeline.models.adapters import MoESpec, moe_spec
+from pipeline.models.eagle3 import Eagle3Head
+from pipeline.models.eagle3_formats import bind_to_target, head_format, load_head, read_config
 
 # Per-shard "Loading weights" bars flood job logs (one per model per worker).
 hf_logging.disable_progress_bar()
@@ -20,6 +22,7 @@ hf_logging.disable_progress_bar()
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = REPO_ROOT / "models" / "target"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "draft"
+DEFAULT_HEAD = REPO_ROOT / "models" / "eagle3-head"  # the target's EAGLE-3 head
 
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -157,7 +160,7 @@ def check_same_vocabulary(
 @dataclass
 class ModelPair:
     target: PreTrainedModel
-    draft: PreTrainedModel
+    draft: PreTrainedModel | Eagle3Head  # a separate draft model, or an EAGLE-3 head
     tokenizer: PreTrainedTokenizerBase
     spec: MoESpec
     device: torch.device
@@ -165,6 +168,19 @@ class ModelPair:
     experts_implementation: str
     target_path: str
     draft_path: str
+
+    @property
+    def draft_is_head(self) -> bool:
+        """The draft is an EAGLE-3 head (it reads the target's hidden states)."""
+        return isinstance(self.draft, Eagle3Head)
+
+    def require_draft_model(self, what: str) -> None:
+        """Refuse ``what`` (a stage that runs the draft as a causal LM) for a head."""
+        if self.draft_is_head:
+            raise ValueError(
+                f"{what} runs the draft as a separate model; the draft {self.draft_path} is "
+                "an EAGLE-3 head"
+            )
 
 
 def load_pair(
@@ -174,21 +190,32 @@ def load_pair(
     dtype: str | None = None,
     experts_implementation: str = "eager",
 ) -> ModelPair:
-    """Load and validate a MoE target with its draft.
+    """Load and validate a MoE target with its draft: a causal LM sharing the target's
+    vocabulary, or an EAGLE-3 head (either format, pipeline.models.eagle3_formats) whose
+    verifier is this target.
 
-    Raises CheckpointError, UnsupportedArchitectureError, NoMoELayersError or
-    TokenizerMismatchError with a message that says what is wrong and where.
+    Raises CheckpointError, UnsupportedArchitectureError, NoMoELayersError,
+    TokenizerMismatchError or, for a head, HeadFormatError or VerifierMismatchError, with a
+    message that says what is wrong and where.
     """
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
     # Check the architecture before loading any weights: the errors are cheap and specific.
-    spec = moe_spec(load_config(target, "target"))
-    load_config(draft, "draft")
-    target_tok = load_tokenizer(target, "target")
-    draft_tok = load_tokenizer(draft, "draft")
-    target_model = load_model(target, "target", dev, dt, experts_implementation)
-    draft_model = load_model(draft, "draft", dev, dt, experts_implementation)
-    check_same_vocabulary(target_tok, draft_tok, target_model, draft_model)
+    target_config = load_config(target, "target")
+    spec = moe_spec(target_config)
+    if head_format(draft) is not None:
+        # An EAGLE-3 head: checked against the target's config before any weight is read.
+        bind_to_target(read_config(draft)[0], target_config)
+        target_tok = load_tokenizer(target, "target")
+        target_model = load_model(target, "target", dev, dt, experts_implementation)
+        draft_model = load_head(draft, target_model, dev, dt)
+    else:
+        load_config(draft, "draft")
+        target_tok = load_tokenizer(target, "target")
+        draft_tok = load_tokenizer(draft, "draft")
+        target_model = load_model(target, "target", dev, dt, experts_implementation)
+        draft_model = load_model(draft, "draft", dev, dt, experts_implementation)
+        check_same_vocabulary(target_tok, draft_tok, target_model, draft_model)
     return ModelPair(
         target=target_model,
         draft=draft_model,

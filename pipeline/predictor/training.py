@@ -3,7 +3,8 @@
 Samples come from an extraction: for every reference token x_t (the ``tokens`` table: token id
 and the experts the target's router selected) the input is the token id and the draft's
 last-layer hidden state after x_{t-1}, recomputed with one teacher-forced draft pass per
-sequence (the same state the online drafter holds when it proposes x_t). The split is by
+sequence (the same state the online drafter holds when it proposes x_t; for an EAGLE-3 head,
+its state reading the target's features, pipeline.models.draft_pass). The split is by
 sequence, so held-out accuracy measures unseen text. The loss is the layer-wise cross-entropy
 against the uniform distribution over the router's top-k (the paper's eq. 5-6).
 train_predictor() runs the whole flow, from an extraction to a saved, evaluated predictor.
@@ -23,6 +24,8 @@ import torch
 from pipeline.data.schemas import experts_to_numpy
 from pipeline.data.shards import read_table
 from pipeline.models.adapters import MoESpec
+from pipeline.models.draft_pass import draft_pass
+from pipeline.models.eagle3 import HeadCache
 from pipeline.models.kvcache import crop_to
 from pipeline.models.loading import ModelPair
 from pipeline.models.timing import timed
@@ -63,7 +66,7 @@ def load_samples(extract_dir: Path, pair: ModelPair, spec: MoESpec) -> RoutingSa
         prompt = list(row["prompt_ids"])
         ref = rows.column("token_id").to_numpy()  # x_0 (the prompt's last) .. x_N
         ids = torch.tensor([prompt + ref[1:].tolist()], device=pair.device)
-        hidden = pair.draft(ids, output_hidden_states=True).hidden_states[-1][0].float().cpu()
+        hidden = draft_pass(pair, ids)[1][0].float().cpu()  # a draft model's or a head's
         p0 = len(prompt) - 1
         # x_t sits at absolute position p0 + t; its context is the state one position earlier.
         before = torch.cat([torch.zeros(1, hidden.shape[1]), hidden])  # before[j] = h_{j-1}
@@ -177,27 +180,41 @@ def predictor_cost(
 ) -> dict[str, float]:
     """Median ms of one predictor call on ``batch`` tokens vs one cached single-token draft
     forward, interleaved in one loop so both see the same machine state."""
-    from transformers import DynamicCache
-
     predictor.to(pair.device)
-    cache = DynamicCache(config=pair.draft.config)
     prompt = torch.arange(1, 65, device=pair.device).view(1, -1) % pair.draft.config.vocab_size
-    out = pair.draft(prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    ctx = out.hidden_states[-1][0, -1]
     step = torch.tensor([[7]], device=pair.device)
+    if pair.draft_is_head:
+        head = pair.draft
+        cache = HeadCache()
+        width = 3 * head.cfg.target_hidden_size
+        positions = torch.arange(64, device=pair.device).view(1, -1)
+        feats = torch.randn(1, 64, width, device=pair.device, dtype=head.dtype)
+        _, out = head(prompt, feats, positions, cache)
+        ctx, own = out[0, -1], out[:, -1:]
+        at = torch.tensor([[64]], device=pair.device)
+
+        def draft_step():
+            head(step, own, at, cache)
+            cache.crop(64)
+
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=pair.draft.config)
+        out = pair.draft(prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        ctx = out.hidden_states[-1][0, -1]
+
+        def draft_step():
+            pair.draft(step, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            crop_to(cache, 64)
+
     tokens, contexts = [7] * batch, [ctx] * batch
     t_pred, t_draft = [], []
     for _ in range(repeats):
         _, ms = timed(pair.device, lambda: predictor.predict_many(tokens, contexts))
         t_pred.append(ms)
-        _, ms = timed(
-            pair.device,
-            lambda: pair.draft(
-                step, past_key_values=cache, use_cache=True, output_hidden_states=True
-            ),
-        )
+        _, ms = timed(pair.device, draft_step)
         t_draft.append(ms)
-        crop_to(cache, 64)
     pred_ms, draft_ms = float(np.median(t_pred)), float(np.median(t_draft))
     return {"predictor_ms": pred_ms, "draft_step_ms": draft_ms, "ratio": pred_ms / draft_ms}
 

@@ -173,10 +173,11 @@ def start_llm(
     max_num_seqs: int,
     speculative_config: dict | None,
     seed: int = 0,
+    **engine_kwargs: Any,
 ) -> Any:
     from vllm import LLM
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(engine_kwargs)  # e.g. scheduler_cls
     if speculative_config:
         kwargs["speculative_config"] = dict(speculative_config)
     # Prefix caching off: the same prompts recur across cells and repeats, and a cache hit
@@ -211,13 +212,16 @@ def run_method(
     cells: list[dict],
     env: dict[str, str] | None = None,
     progress: Callable[[str], None] = print,
+    engine_kwargs: dict[str, Any] | None = None,
 ) -> dict:
     """Every cell on one engine: {"start_s", "cells": [...]}. One short warm-up generation
     first (the engine's first steps are slow); the proposer's counters are read as deltas."""
     max_num_seqs = max([int(c["concurrency"]) for c in cells] + [1])
     with _environ(env):
         t0 = time.perf_counter()
-        llm = start_llm(model, max_model_len, max_num_seqs, speculative_config)
+        llm = start_llm(
+            model, max_model_len, max_num_seqs, speculative_config, **(engine_kwargs or {})
+        )
         start_s = time.perf_counter() - t0
         try:
             warm = cells[0]["prompts"][: max(1, min(2, max_num_seqs))]

@@ -3,8 +3,9 @@
     python -m pipeline.vllm_spec.run_cells --spec spec.json --out results.json
 
 The spec: {"model", "max_model_len", "repeats", "methods": [{"name", "speculative_config"
-(null: no speculation), "env" (optional), "proposer_stats" (optional bool)}], "cells": [{
-"domain", "temperature", "concurrency", "prompts" (token ids), "max_tokens", "seed"}]}.
+(null: no speculation), "env", "engine_kwargs" (e.g. scheduler_cls), "proposer_stats" (each
+optional)}], "cells": [{"domain", "temperature", "concurrency", "prompts" (token ids),
+"max_tokens", "seed"}]}.
 
 Repeats are interleaved (for each repeat, every method: start an engine, run every cell, shut
 it down), the method order reversed on odd repeats so drift slows every method alike. The
@@ -75,6 +76,7 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
                     cells,
                     env,
                     progress,
+                    method.get("engine_kwargs"),
                 )
                 run.update(res)
             except Exception as exc:  # a method that cannot run is a result, not the end
