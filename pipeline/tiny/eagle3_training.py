@@ -12,9 +12,7 @@ LM head is cheap, and a reduced vocabulary would cap acceptance at its coverage.
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +29,8 @@ from pipeline.tiny.corpus import split_documents, stdlib_documents
 from pipeline.tiny.training import (
     _cosine_lr,
     batches,
-    directory_size_bytes,
     encode_stream,
+    publish_model_dir,
 )
 
 MAX_HEAD_BYTES = 8 * 1024 * 1024
@@ -223,14 +221,7 @@ def train_head(
         "head_params": sum(p.numel() for p in head.parameters()),
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_head(head, tmp, "specforge")
-    (tmp / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    size = directory_size_bytes(tmp)
-    if size > MAX_HEAD_BYTES:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"the head takes {size / 2**20:.1f} MiB, over the 8 MiB budget")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish_model_dir(
+        out, lambda d: save_head(head, d, "specforge"), report, MAX_HEAD_BYTES, "head"
+    )
     return report

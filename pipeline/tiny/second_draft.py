@@ -4,8 +4,6 @@ with the target and costs more per token: another cost regime)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,12 +15,12 @@ from pipeline.tiny.corpus import split_documents, stdlib_documents
 from pipeline.tiny.training import (
     TinySizes,
     batches,
-    directory_size_bytes,
     distill_loss,
     draft_config,
     encode_stream,
     heldout_metrics,
     paired_decode_step_ms,
+    publish_model_dir,
     train_loop,
 )
 
@@ -89,15 +87,10 @@ def distill_second_draft(
         "draft_params": sum(p.numel() for p in draft.parameters()),
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    draft.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    size = directory_size_bytes(tmp)
-    if size > MAX_DRAFT_BYTES:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"the draft takes {size / 2**20:.1f} MiB, over the 8 MiB budget")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+
+    def write(directory: Path) -> None:
+        draft.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    publish_model_dir(out, write, report, MAX_DRAFT_BYTES, "draft")
     return report

@@ -8,7 +8,9 @@ from a draft is agreement with the target, not a good language model on its own.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -265,3 +267,22 @@ def paired_decode_step_ms(
 
 def directory_size_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def publish_model_dir(
+    out: Path, write: Callable[[Path], None], report: dict, max_bytes: int, what: str
+) -> None:
+    """``write`` a model into a scratch directory beside ``out`` with its train_report.json;
+    ``out`` is replaced only once that is complete and within ``max_bytes``."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    (tmp / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    size = directory_size_bytes(tmp)
+    if size > max_bytes:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(
+            f"the {what} takes {size / 2**20:.1f} MiB, over the {max_bytes / 2**20:.0f} MiB budget"
+        )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
