@@ -242,13 +242,9 @@ def _bench_source(
 def main(argv: list[str] | None = None) -> list[BenchRow]:
     args = parse_args(argv)
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
-    if pair.draft_is_head and not args.no_bound:
-        print(
-            "[bench_online] an EAGLE-3 head: measured figures only (the oracle's extraction "
-            "takes separate draft models), no transformers assisted generation",
-            flush=True,
-        )
-        args.no_bound, args.no_assisted = True, True
+    if pair.draft_is_head and not args.no_assisted:
+        print("[bench_online] an EAGLE-3 head: no transformers assisted generation", flush=True)
+        args.no_assisted = True
     artifacts = load_artifacts(
         args.predictor, args.costmodel, args.policy, str(pair.device), args.acceptance
     )

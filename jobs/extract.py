@@ -43,6 +43,7 @@ from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR
 from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.junk_tails import ACCEPTANCES, TAIL_MODES, draws_per_acceptance
 from pipeline.extract.ray_pipeline import ExtractConfig, run_extraction
+from pipeline.models.eagle3_formats import head_format
 from pipeline.tracking import tracked_run, tracking_uri
 
 
@@ -145,6 +146,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len({r.name for r in rules}) != len(rules):
         p.error("--trees: a rule is given twice")
     args.trees = tuple(r.name for r in rules)
+    if args.trees and head_format(args.draft) is not None:
+        p.error(
+            "--trees: draft trees are built by a separate draft model's forwards; the draft "
+            f"{args.draft} is an EAGLE-3 head (extract its chains without --trees)"
+        )
     return args
 
 

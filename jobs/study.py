@@ -30,6 +30,7 @@ from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.routing_profile import extraction_profile
 from pipeline.extract.tree_rows import tree_predictor
 from pipeline.models.adapters import moe_spec
+from pipeline.models.eagle3_formats import head_format
 from pipeline.models.loading import load_config
 from pipeline.tracking import tracked_run, tracking_uri
 
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.calibration_prompts < 2:
         p.error("--calibration-prompts must be >= 2")
+    if args.trees is None and head_format(args.draft) is not None:
+        print("tree bound: none (draft trees are extracted with separate draft models only)")
+        args.trees = ""
     if args.trees is None:
         spec = moe_spec(load_config(args.target))
         try:

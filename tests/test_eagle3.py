@@ -24,12 +24,12 @@ from pipeline.models.adapters import moe_spec
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Head, HeadCache
 from pipeline.models.eagle3_formats import (
     HeadFormatError,
-    VerifierMismatchError,
     head_format,
     load_head,
     read_config,
     save_head,
 )
+from pipeline.models.eagle3_verifier import VerifierMismatchError
 from pipeline.models.features import FeatureTap
 from pipeline.models.loading import ModelPair, load_pair
 from pipeline.models.random_moe import layout_config
@@ -176,7 +176,7 @@ def test_load_pair_takes_a_head_as_the_draft(tmp_path, checkpoints):
     with_head = load_pair(checkpoints.target, tmp_path / "head", device="cpu")
     assert with_head.draft_is_head and not pair.draft_is_head
     with pytest.raises(ValueError, match="EAGLE-3 head"):
-        with_head.require_draft_model("extraction")
+        with_head.require_draft_model("transformers' assisted generation")
 
 
 POLICIES = [

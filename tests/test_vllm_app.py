@@ -130,7 +130,8 @@ def test_ours_eagle3_is_the_scheduler_over_vllms_eagle3_drafter_with_the_head():
 
 
 def test_a_head_for_another_target_is_refused_at_deploy(tmp_path):
-    from pipeline.models.eagle3_formats import VerifierMismatchError, save_head
+    from pipeline.models.eagle3_formats import save_head
+    from pipeline.models.eagle3_verifier import VerifierMismatchError
     from tests.tinymodels import tiny_head, tiny_model
 
     save_head(tiny_head(tiny_model("qwen3_moe")), tmp_path / "head", "speculators")

@@ -41,7 +41,8 @@ def check_head(head: str, target: str) -> None:
     verifier nor the feature width (a mismatch fails at the first draft step)."""
     from transformers import AutoConfig
 
-    from pipeline.models.eagle3_formats import bind_to_target, read_config
+    from pipeline.models.eagle3_formats import read_config
+    from pipeline.models.eagle3_verifier import bind_to_target
 
     bind_to_target(read_config(head)[0], AutoConfig.from_pretrained(target))
 

@@ -169,7 +169,6 @@ def sample_tails(
     base_len = draft_cache.get_seq_length()
     tokens = np.zeros((n, int(specs.length.max())), dtype=np.int64)
     tokens[:, 0] = first
-    greedy = specs.acceptance == "greedy"
     owners = torch.zeros(0, dtype=torch.long, device=device)  # tail owning each appended slot
     ctx = torch.from_numpy(contexts).to(device)
     dtype = draft.dtype
@@ -177,12 +176,7 @@ def sample_tails(
         for r in range(2, tokens.shape[1] + 1):
             active = np.nonzero(specs.length >= r)[0]
             act = torch.from_numpy(active).to(device)
-            appended = owners.numel()
-            visible = torch.zeros(len(active), base_len + appended + len(active), dtype=torch.bool)
-            visible = visible.to(device)
-            visible[:, :base_len] = torch.arange(base_len, device=device) < ctx[act].view(-1, 1)
-            visible[:, base_len : base_len + appended] = owners.view(1, -1) == act.view(-1, 1)
-            visible[:, base_len + appended :] = torch.eye(len(active), dtype=torch.bool)
+            visible = packed_visibility(base_len, ctx[act], owners, act)
             mask = torch.zeros(visible.shape, dtype=dtype, device=device)
             mask.masked_fill_(~visible, torch.finfo(dtype).min)
             positions = (ctx[act] + (r - 2)).view(1, -1)
@@ -194,20 +188,50 @@ def sample_tails(
                 past_key_values=draft_cache,
                 use_cache=True,
             ).logits[0]
-            # A greedy continuation is sampling with argmax: same packed forward, other pick.
-            pick = greedy[active]
-            if pick.any():
-                rows = torch.from_numpy(np.nonzero(pick)[0]).to(device)
-                tokens[active[pick], r - 1] = logits[rows].argmax(-1).cpu().numpy()
-            if not pick.all():
-                rows = torch.from_numpy(np.nonzero(~pick)[0]).to(device)
-                probs = torch.softmax(logits[rows].float() / temperature, dim=-1)
-                u = uniforms(specs.key[active[~pick]], r)
-                tokens[active[~pick], r - 1] = sample_from_probs(probs, u).numpy()
+            pick_next(tokens, logits, active, r, specs, temperature)
             owners = torch.cat([owners, act])
     finally:
         crop_to(draft_cache, base_len)
     return [tokens[b, : specs.length[b]] for b in range(n)]
+
+
+def packed_visibility(
+    base_len: int, contexts: torch.Tensor, owners: torch.Tensor, active: torch.Tensor
+) -> torch.Tensor:
+    """Which cached positions each active tail's next token sees, [active, base + appended +
+    active] bool: the first ``contexts[b]`` of the ``base_len`` cached ones (its own prefix),
+    the slots appended for its earlier tokens (``owners`` names each slot's tail), itself."""
+    device = contexts.device
+    appended = owners.numel()
+    visible = torch.zeros(len(active), base_len + appended + len(active), dtype=torch.bool)
+    visible = visible.to(device)
+    visible[:, :base_len] = torch.arange(base_len, device=device) < contexts.view(-1, 1)
+    visible[:, base_len : base_len + appended] = owners.view(1, -1) == active.view(-1, 1)
+    visible[:, base_len + appended :] = torch.eye(len(active), dtype=torch.bool)
+    return visible
+
+
+def pick_next(
+    tokens: np.ndarray,
+    logits: torch.Tensor,
+    active: np.ndarray,
+    r: int,
+    specs: TailSpecs,
+    temperature: float,
+) -> None:
+    """Set token r (1-based) of each active tail from its row of ``logits``: the argmax for a
+    greedy tail (a greedy continuation is sampling with argmax: same packed forward, other
+    pick), else a draw at ``temperature`` with the tail's keyed uniform."""
+    device = logits.device
+    pick = specs.acceptance[active] == "greedy"
+    if pick.any():
+        rows = torch.from_numpy(np.nonzero(pick)[0]).to(device)
+        tokens[active[pick], r - 1] = logits[rows].argmax(-1).cpu().numpy()
+    if not pick.all():
+        rows = torch.from_numpy(np.nonzero(~pick)[0]).to(device)
+        probs = torch.softmax(logits[rows].float() / temperature, dim=-1)
+        u = uniforms(specs.key[active[~pick]], r)
+        tokens[active[~pick], r - 1] = sample_from_probs(probs, u).numpy()
 
 
 def route_tails(

@@ -6,13 +6,15 @@ teacher-forced draft pass (the probability of each reference token, the greedy-m
 the first junk token's distribution at every divergence point), then the junk tails of every
 acceptance rule and draw in packed chunks (pipeline.extract.junk_tails). ``extract_sequences``
 runs the teacher-forced passes of several sequences in one batch (pipeline.extract.
-teacher_forced) and each sequence's tails on its own slice of the batch's caches.
+teacher_forced) and each sequence's tails on its own slice of the batch's caches. With an
+EAGLE-3 head as the draft, its teacher-forced pass reads the target's features of the reference
+and its tails continue from its own states (pipeline.extract.head_tails).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +29,7 @@ from pipeline.data.schemas import (
     experts_array,
 )
 from pipeline.extract.draft_trees import TreeRule
+from pipeline.extract.head_tails import sample_head_tails
 from pipeline.extract.junk_tails import (
     ACCEPTANCES,
     TailSpecs,
@@ -55,18 +58,7 @@ class ExtractStats:
     seconds: float = 0.0
 
     def add(self, other: ExtractStats) -> None:
-        for name in (
-            "sequences",
-            "reference_tokens",
-            "prompt_tokens",
-            "tail_tokens",
-            "tails",
-            "target_token_forwards",
-            "draft_token_forwards",
-            "tree_nodes",
-            "tree_target_token_forwards",
-            "seconds",
-        ):
+        for name in (f.name for f in fields(self)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -105,6 +97,13 @@ def _check_sliding_window(pair: ModelPair, length: int) -> None:
         )
 
 
+def _check_draft_trees(pair: ModelPair, trees: tuple[TreeRule, ...]) -> None:
+    """Draft trees are built by a draft model's packed tree forwards; a head's tree nodes would
+    read their parents' head states, which the tree extraction does not carry yet."""
+    if trees:
+        pair.require_draft_model("draft-tree extraction (--trees)")
+
+
 @torch.no_grad()
 def extract_sequence(
     pair: ModelPair,
@@ -130,6 +129,7 @@ def extract_sequence(
     (pipeline.extract.tree_rows; ``predictor`` for EcoSpec's rule)."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature}")
+    _check_draft_trees(pair, trees)
     _check_sliding_window(pair, len(ref.all_ids) + max(lmax, tree_budget if trees else 0))
     device = pair.device
     n = ref.n_tokens
@@ -158,7 +158,12 @@ def extract_sequence(
         ctx = contexts_all[group]
         s_idx = torch.from_numpy(part.s).to(device)
         first = first_tokens(at[s_idx], tat[s_idx], nxt[s_idx], part, temperature)
-        tails = sample_tails(pair.draft, draft_cache, first, ctx, part, temperature)
+        if pair.draft_is_head:
+            tails = sample_head_tails(
+                pair.draft, draft_cache, forced.draft_hidden, first, ctx, part, temperature
+            )
+        else:
+            tails = sample_tails(pair.draft, draft_cache, first, ctx, part, temperature)
         tail_routing.append(route_tails(pair.target, pair.spec, target_cache, tails, ctx))
         tail_tokens.extend(tails)
 
@@ -268,6 +273,7 @@ def extract_sequences(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature}")
+    _check_draft_trees(pair, trees)
     for ref in refs:  # refuse before the batch's forwards, as a lone sequence does
         _check_sliding_window(pair, len(ref.all_ids) + max(lmax, tree_budget if trees else 0))
     tails = {

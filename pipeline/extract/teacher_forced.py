@@ -20,6 +20,9 @@ from transformers import Cache, DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pipeline.data.references import ReferenceSequence, left_padded
+from pipeline.models.draft_pass import draft_pass
+from pipeline.models.eagle3 import HeadCache
+from pipeline.models.features import feature_tap
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing
 
@@ -33,25 +36,39 @@ class TeacherForced:
     target_logits: torch.Tensor  # [N, vocab], model dtype
     draft_logits: torch.Tensor  # [N, vocab], float32
     target_cache: Cache  # every position of the reference
-    draft_cache: Cache
+    draft_cache: Cache | HeadCache  # a head's: its positions 0 .. prompt + N - 2
     # The draft's last hidden state after every position of prompt + reference (EcoSpec's
-    # predictor contexts in the draft trees), [prompt + N, hidden].
+    # predictor contexts in the draft trees; a head's pre-norm output, which the next draft
+    # step of a junk tail reads), [prompt + N, hidden].
     draft_hidden: torch.Tensor | None = None
 
 
 @torch.no_grad()
 def teacher_forced(pair: ModelPair, ref: ReferenceSequence) -> TeacherForced:
     """One sequence alone (extraction's original path)."""
-    # A head's junk tails and deeper draft tokens read its own states: not extracted yet.
-    pair.require_draft_model("extraction")
     ids = torch.tensor([ref.all_ids], device=pair.device)
     p0, n = ref.prompt_len - 1, ref.n_tokens  # p0: absolute index of x_0
     # Logits of x_0 .. x_N only (the prompt's other positions predict nothing we use).
     keep = {"logits_to_keep": n + 1, "use_cache": True}
     target_cache = DynamicCache(config=pair.target.config)
+    tap = feature_tap(pair.target, pair.draft.cfg.aux_layer_ids) if pair.draft_is_head else None
     target_out, routing = forward_with_routing(
         pair.target, pair.spec, ids, past_key_values=target_cache, **keep
     )
+    if tap is not None:
+        # The head teacher-forced on the target's features of the reference (docs/contract.md:
+        # a head is a draft like any other): row t is its distribution of token t + 1 as the
+        # first token of a chain drafted after t.
+        head_cache = HeadCache()
+        logits, hidden = draft_pass(pair, ids, tap.latest(), head_cache)
+        return TeacherForced(
+            routing=routing[0, p0:].to(torch.int16).cpu().numpy(),
+            target_logits=target_out.logits[0, :n],
+            draft_logits=logits[0, p0 : p0 + n],
+            target_cache=target_cache,
+            draft_cache=head_cache,
+            draft_hidden=hidden[0],
+        )
     draft_cache = DynamicCache(config=pair.draft.config)
     draft_out = pair.draft(ids, past_key_values=draft_cache, output_hidden_states=True, **keep)
     return TeacherForced(
@@ -88,10 +105,10 @@ def row_cache(cache: Cache, config: PretrainedConfig, row: int, length: int) -> 
 def teacher_forced_batch(pair: ModelPair, refs: list[ReferenceSequence]) -> list[TeacherForced]:
     """The passes of ``refs`` in one forward per model; ``refs[b]``'s result is row b. Left
     padding lines every row's last token up, so keeping the last ``max N + 1`` logits covers
-    every row's ``x_0 .. x_N`` (no more logits than the lone passes compute in all)."""
-    pair.require_draft_model("extraction")
-    if len(refs) == 1:
-        return [teacher_forced(pair, refs[0])]
+    every row's ``x_0 .. x_N`` (no more logits than the lone passes compute in all). An
+    EAGLE-3 head's sequences run one at a time (its features come from each target pass)."""
+    if len(refs) == 1 or pair.draft_is_head:
+        return [teacher_forced(pair, ref) for ref in refs]
     ids, mask, positions = left_padded([list(r.all_ids) for r in refs], pair.device)
     keep = max(r.n_tokens for r in refs) + 1
     kwargs = {

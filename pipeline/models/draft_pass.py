@@ -19,10 +19,15 @@ from pipeline.models.loading import ModelPair
 
 @torch.no_grad()
 def draft_pass(
-    pair: ModelPair, ids: torch.Tensor, target_features: torch.Tensor | None = None
+    pair: ModelPair,
+    ids: torch.Tensor,
+    target_features: torch.Tensor | None = None,
+    head_cache: HeadCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [1, T, V], last hidden state [1, T, H]) of the draft over ``ids`` [1, T]; for a
-    head, ``target_features`` [1, T, 3H] from a target pass over ``ids`` (else one runs)."""
+    head, ``target_features`` [1, T, 3H] from a target pass over ``ids`` (else one runs), its
+    hidden state the pre-norm output a next draft step reads, and its keys and values of head
+    positions 0 .. T - 2 left in ``head_cache`` where one is given (junk tails continue it)."""
     if not pair.draft_is_head:
         out = pair.draft(ids, output_hidden_states=True)
         return out.logits, out.hidden_states[-1]
@@ -36,7 +41,8 @@ def draft_pass(
     hidden = torch.zeros(1, t, head.cfg.hidden_size, device=ids.device)
     if t >= 2:
         positions = torch.arange(t - 1, device=ids.device).view(1, -1)
-        out_logits, out = head(ids[:, 1:], target_features[:, : t - 1], positions, HeadCache())
+        cache = HeadCache() if head_cache is None else head_cache
+        out_logits, out = head(ids[:, 1:], target_features[:, : t - 1], positions, cache)
         logits[:, 1:] = out_logits.float()
         hidden[:, 1:] = out.float()
     return logits, hidden

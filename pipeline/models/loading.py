@@ -13,7 +13,8 @@ from transformers.utils import logging as hf_logging
 
 from pipeline.models.adapters import MoESpec, moe_spec
 from pipeline.models.eagle3 import Eagle3Head
-from pipeline.models.eagle3_formats import bind_to_target, head_format, load_head, read_config
+from pipeline.models.eagle3_formats import head_format, load_head, read_config
+from pipeline.models.eagle3_verifier import bind_to_target
 
 # Per-shard "Loading weights" bars flood job logs (one per model per worker).
 hf_logging.disable_progress_bar()
