@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
                 args.max_new_tokens,
                 1,
                 log=lambda line: print(line, flush=True),
+                chains=False,  # the ceiling replays positions one after another
             )
         if args.traces is not None:
             save_traces(args.traces, traces, unions, {"prompts": [p.prompt_id for p in flat]})

@@ -26,7 +26,7 @@ the others are reported, and the run ends naming it with a non-zero exit.
     python -m jobs.bench_online --domains all --policies ar,fixed:k=2,fixed:k=4,throughput
     # the second pair (a 2-layer draft), its artifacts beside it
     python -m jobs.bench_online --draft models/draft-2layer --artifacts models/draft-2layer
-    # the third: the EAGLE-3 head (measured figures only: no bound, no assisted generation)
+    # the third: the EAGLE-3 head (no transformers assisted generation: it knows no head)
     python -m jobs.bench_online --draft models/eagle3-head --artifacts models/eagle3-head
 """
 

@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from pipeline.acceptance.features import FEATURE_NAMES, context_features, distribution_stats
+from pipeline.acceptance.head_chains import head_chain_rows
 from pipeline.data.prompts import Prompt, encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.simple import AutoregressivePolicy
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.draft_pass import draft_pass
+from pipeline.models.eagle3 import HeadCache
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing, unique_experts_per_layer
 
@@ -45,6 +47,9 @@ class AcceptanceTrace:
     # [n, hidden] the draft's last-layer state that produced q_i (what a SpecDec++-style
     # acceptance head reads)
     hidden: np.ndarray | None = None
+    # An EAGLE-3 head's chains (pipeline.acceptance.head_chains): each row's depth in its
+    # chain, 1 starting the next chain; None: one sequence of positions (a draft model's).
+    depth: np.ndarray | None = None
 
 
 @dataclass
@@ -77,7 +82,10 @@ def trace_prompt(
     max_new_tokens: int,
     seed: int,
     max_m: int,
+    chains: bool = True,
 ) -> tuple[AcceptanceTrace, UnionCounts]:
+    """The prompt's trace and expert-union counts; with ``chains`` an EAGLE-3 head's trace
+    holds the chains it drafts from every position (pipeline.acceptance.head_chains)."""
     ids = prompt_ids(pair, prompt)
     engine = SpeculativeEngine(pair)
     gen = engine.generate(
@@ -87,7 +95,8 @@ def trace_prompt(
     start, n = len(ids) - 1, len(gen.tokens)  # logits at start + i predict gen.tokens[i]
     out, routing = forward_with_routing(pair.target, pair.spec, full)
     p = sampling.probs(out.logits[0, start : start + n])
-    draft_logits, draft_hidden = draft_pass(pair, full)  # a model or an EAGLE-3 head
+    head_cache = HeadCache() if pair.draft_is_head else None
+    draft_logits, draft_hidden = draft_pass(pair, full, head_cache=head_cache)  # model or head
     q = sampling.probs(draft_logits[0, start : start + n])
     hidden = draft_hidden[0, start : start + n]
     if sampling.greedy:
@@ -107,6 +116,14 @@ def trace_prompt(
             u = unique_experts_per_layer(routing[i : i + m], pair.spec.num_experts)
             sums[m - 1] += float(u.float().mean())
             counts[m - 1] += 1
+    if chains and head_cache is not None:
+        stats, chain_labels, chain_hidden, depth = head_chain_rows(
+            pair.draft, head_cache, draft_hidden[0], ids, gen.tokens, p, q, sampling
+        )
+        trace = AcceptanceTrace(
+            prompt.prompt_id, sampling.temperature, stats, chain_labels, chain_hidden, depth
+        )
+        return trace, UnionCounts(sums, counts)
     trace = AcceptanceTrace(
         prompt.prompt_id,
         sampling.temperature,
@@ -125,9 +142,12 @@ def collect_traces(
     max_m: int,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    chains: bool = True,
 ) -> tuple[list[AcceptanceTrace], UnionCounts]:
     """Traces of every prompt at every temperature (sampled continuations seeded per prompt),
-    and the expert-union counts of the greedy ones (or of all when none is greedy)."""
+    and the expert-union counts of the greedy ones (or of all when none is greedy). An
+    EAGLE-3 head's traces are its chains unless ``chains`` is False (one sequence of its
+    teacher-forced rows, as a position-by-position replay needs)."""
     traces: list[AcceptanceTrace] = []
     unions = UnionCounts(np.zeros(max_m), np.zeros(max_m))
     use_all = all(t > 0 for t in temperatures)
@@ -135,7 +155,13 @@ def collect_traces(
         sampling = SamplingConfig(temperature=temperature)
         for p_index, prompt in enumerate(prompts):
             trace, counts = trace_prompt(
-                pair, prompt, sampling, max_new_tokens, seed + 1000 * t_index + p_index, max_m
+                pair,
+                prompt,
+                sampling,
+                max_new_tokens,
+                seed + 1000 * t_index + p_index,
+                max_m,
+                chains,
             )
             traces.append(trace)
             if sampling.greedy or use_all:
@@ -157,6 +183,10 @@ def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts, 
         stats=np.concatenate([t.stats for t in traces]),
         labels=np.concatenate([t.labels for t in traces]),
         hidden=np.concatenate([t.hidden for t in traces]),
+        # 0: a row of a draft model's sequence (depth None)
+        depth=np.concatenate(
+            [np.zeros(len(t.labels), np.int64) if t.depth is None else t.depth for t in traces]
+        ),
         union_sums=unions.sums,
         union_counts=unions.counts,
         meta=np.array(json.dumps(meta)),
@@ -173,9 +203,15 @@ def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
         )
     ends = np.cumsum(data["lengths"])
     starts = ends - data["lengths"]
+    depth = data["depth"] if "depth" in data else np.zeros(len(data["labels"]), np.int64)
     traces = [
         AcceptanceTrace(
-            str(pid), float(temp), data["stats"][a:b], data["labels"][a:b], data["hidden"][a:b]
+            str(pid),
+            float(temp),
+            data["stats"][a:b],
+            data["labels"][a:b],
+            data["hidden"][a:b],
+            depth[a:b] if depth[a:b].any() else None,
         )
         for pid, temp, a, b in zip(
             data["prompt_ids"], data["temperatures"], starts, ends, strict=True

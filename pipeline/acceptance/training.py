@@ -35,19 +35,37 @@ def design(
     labels of position i + shift (0: current, 1: next) and row weights. recent_i is the moving
     average of labels before i, from ``prior``: the outcomes the policy has seen when it
     decides at position i. For `next` a row is weighted by label_i: position i + 1 matters to a
-    chain only when token i is accepted, so `next` is P(accept i + 1 | i accepted)."""
+    chain only when token i is accepted, so `next` is P(accept i + 1 | i accepted).
+
+    A head's trace holds chains (``depth``): a `next` pair stays inside one, and recent
+    acceptance is what the chains' first rows (the head's teacher-forced rows, one per
+    position) made it before the chain began, then moved as the policy moves it while
+    drafting (each earlier token of the chain counted as accepted)."""
     xs, ys, ws = [], [], []
     for t in traces:
         n = len(t.labels)
         recent = np.empty(n)
         r = prior
-        for i in range(n):
-            recent[i] = r
-            r = decay * r + (1 - decay) * t.labels[i]
+        if t.depth is None:
+            for i in range(n):
+                recent[i] = r
+                r = decay * r + (1 - decay) * t.labels[i]
+            follows = np.ones(max(n - 1, 0), dtype=bool)
+        else:
+            first, inside = None, r
+            for i in range(n):
+                if t.depth[i] == 1:
+                    if first is not None:
+                        r = decay * r + (1 - decay) * first
+                    first, inside = t.labels[i], r
+                else:  # as the policy does: each earlier chain token counted as accepted
+                    inside = decay * inside + (1 - decay)
+                recent[i] = inside
+            follows = t.depth[1:] == t.depth[:-1] + 1
         rows = np.column_stack([np.ones(n), t.stats, recent, *([t.hidden] if hidden else [])])
         xs.append(rows[: n - shift])
         ys.append(t.labels[shift:])
-        ws.append(t.labels[: n - shift] if shift else np.ones(n))
+        ws.append(t.labels[: n - shift] * follows if shift else np.ones(n))
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(ws)
 
 
