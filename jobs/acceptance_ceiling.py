@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
     flat = [p for chosen in prompts.values() for p in chosen]
     if args.traces is not None and args.traces.exists():
         traces, _, _ = load_traces(args.traces)
+        if any(t.depth is not None for t in traces):
+            raise ValueError(
+                f"{args.traces} holds an EAGLE-3 head's chains (jobs.train_acceptance's); the "
+                "ceiling replays positions one after another: give another --traces path"
+            )
         print(f"{len(traces)} traces read from {args.traces}", flush=True)
     else:
         print(

@@ -28,10 +28,9 @@ from pipeline.extract.junk_tails import tail_specs
 from pipeline.extract.keyed_random import exclude_token, residual_probs, uniforms
 from pipeline.extract.rows import SequenceTables, extract_sequences
 from pipeline.extract.teacher_forced import teacher_forced, teacher_forced_batch
-from pipeline.models.adapters import moe_spec
 from pipeline.models.loading import ModelPair
 from tests.conftest import tiny_draft
-from tests.tinymodels import FAMILIES, VOCAB, tiny_model
+from tests.tinymodels import FAMILIES, VOCAB, cpu_pair, tiny_model
 
 TIE = 1e-3  # a near-tie: the other choice within TIE (relative to max(1, |top|)) on the lone path
 LMAX, BUDGET, TEMPERATURE = 4, 20, 0.8
@@ -40,17 +39,7 @@ RESPONSE_LENS = (9, 4, 14, 7, 1, 12)
 
 
 def _pair(target) -> ModelPair:
-    return ModelPair(
-        target=target,
-        draft=tiny_draft(VOCAB),
-        tokenizer=None,
-        spec=moe_spec(target.config),
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        experts_implementation="eager",
-        target_path="tiny",
-        draft_path="tiny",
-    )
+    return cpu_pair(target, tiny_draft(VOCAB))
 
 
 @pytest.fixture(scope="module")

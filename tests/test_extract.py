@@ -17,11 +17,10 @@ from pipeline.extract.keyed_random import (
     uniforms,
 )
 from pipeline.extract.rows import extract_sequence
-from pipeline.models.adapters import moe_spec
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing
 from tests.conftest import tiny_draft
-from tests.tinymodels import VOCAB, tiny_model
+from tests.tinymodels import VOCAB, cpu_pair, tiny_model
 
 LMAX = 4
 SETS = [("surrogate", 0), ("surrogate", 1), ("greedy", 0), ("sampling", 0), ("sampling", 1)]
@@ -29,18 +28,7 @@ SETS = [("surrogate", 0), ("surrogate", 1), ("greedy", 0), ("sampling", 0), ("sa
 
 @pytest.fixture(scope="module")
 def pair() -> ModelPair:
-    target = tiny_model("qwen3_moe")
-    return ModelPair(
-        target=target,
-        draft=tiny_draft(VOCAB),
-        tokenizer=None,
-        spec=moe_spec(target.config),
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        experts_implementation="eager",
-        target_path="tiny",
-        draft_path="tiny",
-    )
+    return cpu_pair(tiny_model("qwen3_moe"), tiny_draft(VOCAB))
 
 
 def _reference(n_prompt: int, n_response: int, seed: int = 11) -> ReferenceSequence:

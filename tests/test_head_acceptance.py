@@ -16,11 +16,10 @@ from pipeline.acceptance.training import design
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.types import SamplingConfig
-from pipeline.models.adapters import moe_spec
 from pipeline.models.draft_pass import draft_pass
 from pipeline.models.eagle3 import HeadCache
 from pipeline.models.loading import ModelPair
-from tests.tinymodels import VOCAB, tiny_head, tiny_model
+from tests.tinymodels import VOCAB, cpu_pair, tiny_head, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 W = len(FEATURE_NAMES)
@@ -29,17 +28,7 @@ W = len(FEATURE_NAMES)
 @pytest.fixture(scope="module")
 def pair() -> ModelPair:
     target = tiny_model("qwen3_moe", seed=31)
-    return ModelPair(
-        target,
-        tiny_head(target, seed=32),
-        None,
-        moe_spec(target.config),
-        torch.device("cpu"),
-        torch.float32,
-        "eager",
-        "tiny",
-        "tiny-eagle3",
-    )
+    return cpu_pair(target, tiny_head(target, seed=32))
 
 
 @torch.no_grad()

@@ -16,10 +16,9 @@ from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.types import SamplingConfig
 from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.rows import extract_sequence, extract_sequences
-from pipeline.models.adapters import moe_spec
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing
-from tests.tinymodels import VOCAB, tiny_head, tiny_model
+from tests.tinymodels import VOCAB, cpu_pair, tiny_head, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LMAX = 4
@@ -28,17 +27,7 @@ LMAX = 4
 @pytest.fixture(scope="module")
 def pair() -> ModelPair:
     target = tiny_model("qwen3_moe", seed=21)
-    return ModelPair(
-        target=target,
-        draft=tiny_head(target, seed=22, draft_vocab=200),
-        tokenizer=None,
-        spec=moe_spec(target.config),
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        experts_implementation="eager",
-        target_path="tiny",
-        draft_path="tiny-eagle3",
-    )
+    return cpu_pair(target, tiny_head(target, seed=22, draft_vocab=200))
 
 
 def _reference(n_prompt: int, n_response: int, seed: int = 5) -> ReferenceSequence:

@@ -136,3 +136,22 @@ def tiny_head(
             head.t2d.zero_()
             head.t2d[kept] = True
     return head.eval()
+
+
+def cpu_pair(target: PreTrainedModel, draft, name: str = "tiny"):
+    """A float32 CPU ModelPair of ``target`` and ``draft`` (a causal LM or an EAGLE-3 head),
+    without a tokenizer."""
+    from pipeline.models.adapters import moe_spec
+    from pipeline.models.loading import ModelPair
+
+    return ModelPair(
+        target=target,
+        draft=draft,
+        tokenizer=None,
+        spec=moe_spec(target.config),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        experts_implementation="eager",
+        target_path=name,
+        draft_path=name,
+    )

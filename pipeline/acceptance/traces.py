@@ -9,7 +9,9 @@ draft's token there: at T = 0 whether the draft's argmax is the target's token (
 accepted up to its first miss, so the label of a position reached by a chain is exactly its
 outcome), when sampling the probability sum_x min(p_i(x), q_i(x)) that a token drawn from q_i
 is accepted. The target's routing of the same pass gives the mean union of experts per layer
-over m consecutive positions, what a verification pass of m positions computes.
+over m consecutive positions, what a verification pass of m positions computes. An EAGLE-3
+head's trace holds the chains it drafts from every position instead
+(pipeline.acceptance.head_chains): its deeper chain tokens read its own states.
 """
 
 from __future__ import annotations
