@@ -56,6 +56,7 @@ from pipeline.decode.policies.artifacts import (
     DEFAULT_COSTMODEL,
     DEFAULT_POLICY,
     DEFAULT_PREDICTOR,
+    artifact_paths,
     load_artifacts,
 )
 from pipeline.decode.policies.registry import validate_knobs
@@ -148,19 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.artifacts is not None:
         if not args.artifacts.is_dir():
             p.error(f"--artifacts {args.artifacts}: not a directory")
-        args.costmodel = args.artifacts / "costmodel.json"
-        args.acceptance = args.artifacts / "acceptance.json"
-        # A pair without its own expert predictor or oracle lambda (the EAGLE-3 head's: both
-        # come from an extraction) keeps the embedded pair's, said here.
-        for name, attr in (("predictor", "predictor"), ("policy.json", "policy")):
-            if (args.artifacts / name).exists():
-                setattr(args, attr, args.artifacts / name)
-            else:
-                print(
-                    f"[bench_online] {args.artifacts} has no {name}: using {getattr(args, attr)}"
-                    " (ecospec, ecospec-global, marginal and cascade read it)",
-                    flush=True,
-                )
+        paths, notes = artifact_paths(args.artifacts, args.predictor, args.policy)
+        for key, path in paths.items():
+            setattr(args, key, path)
+        for note in notes:
+            print(f"[bench_online] {note}", flush=True)
     if args.policies is not None:
         try:
             args.policies = parse_policy_specs(args.policies)

@@ -31,7 +31,11 @@ from ray.serve import Application
 
 from pipeline.decode.batched import BatchedEngine
 from pipeline.decode.engine import SpeculativeEngine
-from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
+from pipeline.decode.policies.artifacts import (
+    PolicyArtifacts,
+    artifacts_beside,
+    load_pair_artifacts,
+)
 from pipeline.models.loading import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 from serving import generation
 from serving.auth import install_auth, set_api_key
@@ -95,7 +99,9 @@ class SpecboundServer:
         self.artifacts: PolicyArtifacts | None = None
         self.artifacts_error: str | None = None
         try:
-            self.artifacts = load_artifacts(device=str(self.pair.device))
+            self.artifacts = load_pair_artifacts(
+                args.artifacts or artifacts_beside(args.draft), str(self.pair.device)
+            )
             self.artifacts.check_pair(self.pair, args.allow_costmodel_mismatch)
         except (OSError, ValueError) as exc:
             self.artifacts, self.artifacts_error = None, f"{type(exc).__name__}: {exc}"

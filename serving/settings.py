@@ -15,6 +15,9 @@ class AppArgs(BaseModel):
 
     target: str | None = None  # None: the embedded models, resolved on the replica's node
     draft: str | None = None
+    # The cost-aware policies' artifacts (costmodel.json, acceptance.json, ...): None reads
+    # them beside the draft when it holds its own (models/eagle3-head), else models/'s.
+    artifacts: str | None = None
     device: str = "auto"  # CUDA when the replica has a GPU
     dtype: str = "auto"
     experts_implementation: str = "eager"  # the MoE kernel; the cost model records its own

@@ -33,6 +33,40 @@ DEFAULT_POLICY = MODELS_DIR / "policy.json"
 DEFAULT_ACCEPTANCE = MODELS_DIR / "acceptance.json"
 
 
+def artifact_paths(
+    directory: Path, predictor: Path = DEFAULT_PREDICTOR, policy: Path = DEFAULT_POLICY
+) -> tuple[dict[str, Path], list[str]]:
+    """The artifacts of another pair saved in ``directory`` (the 2-layer draft's, the EAGLE-3
+    head's): its cost model and acceptance model, and its expert predictor and oracle lambda
+    where it has them; a pair without those (they come from an extraction) keeps
+    ``predictor`` / ``policy``, each said in the notes returned. Keyword arguments of
+    load_artifacts."""
+    paths = {
+        "costmodel": directory / "costmodel.json",
+        "acceptance": directory / "acceptance.json",
+        "predictor": predictor,
+        "policy": policy,
+    }
+    notes = []
+    for key, name in (("predictor", "predictor"), ("policy", "policy.json")):
+        if (directory / name).exists():
+            paths[key] = directory / name
+        else:
+            notes.append(
+                f"{directory} has no {name}: using {paths[key]} (ecospec, ecospec-global, "
+                "marginal and cascade read it)"
+            )
+    return paths, notes
+
+
+def artifacts_beside(draft: str | Path | None) -> Path | None:
+    """The draft's own directory when it holds a cost model (a pair with its artifacts beside
+    its draft: models/draft-2layer, models/eagle3-head), else None (the embedded pair's)."""
+    if draft is None or not (Path(draft) / "costmodel.json").is_file():
+        return None
+    return Path(draft)
+
+
 @dataclass(frozen=True)
 class PolicyArtifacts:
     predictor: ExpertPredictor
@@ -127,3 +161,14 @@ def load_artifacts(
         read_lambda(policy),
         accept,
     )
+
+
+def load_pair_artifacts(directory: str | Path | None, device: str = "cpu") -> PolicyArtifacts:
+    """A pair's artifacts from ``directory`` (artifact_paths; its notes logged), or the
+    embedded pair's under models/ when None."""
+    if directory is None:
+        return load_artifacts(device=device)
+    paths, notes = artifact_paths(Path(directory))
+    for note in notes:
+        log.warning(note)
+    return load_artifacts(**paths, device=device)
