@@ -32,6 +32,7 @@ from pipeline.decode.policies.simple import AutoregressivePolicy
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.draft_pass import draft_pass
 from pipeline.models.eagle3 import HeadCache
+from pipeline.models.features import feature_tap
 from pipeline.models.loading import ModelPair
 from pipeline.models.routing import forward_with_routing, unique_experts_per_layer
 
@@ -95,10 +96,14 @@ def trace_prompt(
     )
     full = torch.tensor([ids + gen.tokens], device=pair.device)
     start, n = len(ids) - 1, len(gen.tokens)  # logits at start + i predict gen.tokens[i]
+    # A head reads the target's features of this same pass: tapped, not run a second time.
+    head = pair.draft if pair.draft_is_head else None
+    tap = feature_tap(pair.target, head.cfg.aux_layer_ids) if head is not None else None
     out, routing = forward_with_routing(pair.target, pair.spec, full)
     p = sampling.probs(out.logits[0, start : start + n])
-    head_cache = HeadCache() if pair.draft_is_head else None
-    draft_logits, draft_hidden = draft_pass(pair, full, head_cache=head_cache)  # model or head
+    head_cache = HeadCache() if head is not None else None
+    features = tap.latest() if tap is not None else None
+    draft_logits, draft_hidden = draft_pass(pair, full, features, head_cache)  # model or head
     q = sampling.probs(draft_logits[0, start : start + n])
     hidden = draft_hidden[0, start : start + n]
     if sampling.greedy:
