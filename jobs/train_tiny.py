@@ -4,7 +4,7 @@
     python -m jobs.train_tiny --out /tmp/m --target-steps 5 --draft-steps 5   # smoke test
     # a second pair: a 2-layer draft distilled from the committed target (~10 min)
     python -m jobs.train_tiny --draft-for models/target --draft-layers 2 --out models/draft-2layer
-    # an EAGLE-3 head for the committed target, training-time test (~12 min)
+    # an EAGLE-3 head for the committed target, training-time test (~14 min; see --head-windows)
     python -m jobs.train_tiny --head-for models/target --out models/eagle3-head
 
 Prints, and logs to MLflow: the target's held-out loss, the draft's top-1 agreement with the
@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--head-steps", type=int, default=1000, help="with --head-for: head steps")
     p.add_argument(
+        "--head-windows",
+        type=int,
+        default=1024,
+        help="with --head-for: 128-token corpus windows the target's features are computed on "
+        "once (about 1.2 MB of memory each)",
+    )
+    p.add_argument(
         "--ttt-steps", type=int, default=5, help="with --head-for: training-time-test steps"
     )
     args = p.parse_args(argv)
@@ -74,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--head-for and --draft-for each train one model: give one")
         if args.out is None:
             p.error("--head-for needs --out: the head's own directory (it is replaced)")
-        if args.head_steps < 1 or args.ttt_steps < 1:
-            p.error("--head-steps and --ttt-steps must be >= 1")
+        if args.head_steps < 1 or args.ttt_steps < 1 or args.head_windows < 16:
+            p.error("--head-steps and --ttt-steps must be >= 1, --head-windows >= 16")
         report = args.out / "train_report.json"
         if args.out.exists() and not (report.is_file() and "ttt_steps" in report.read_text()):
             p.error(f"--out {args.out} exists and is not a head: choose a new directory")
@@ -164,7 +171,9 @@ def second_draft(args: argparse.Namespace) -> dict[str, float]:
 
 
 def eagle3_head(args: argparse.Namespace) -> dict[str, float]:
-    training = HeadTraining(steps=args.head_steps, ttt_steps=args.ttt_steps, seed=args.seed)
+    training = HeadTraining(
+        steps=args.head_steps, windows=args.head_windows, ttt_steps=args.ttt_steps, seed=args.seed
+    )
     report = train_head(args.head_for, args.out, training, log=lambda s: print(s, flush=True))
     numeric = {k: float(v) for k, v in report.items() if isinstance(v, int | float)}
     with tracked_run("train_tiny", params={**vars(args)}) as tracked:

@@ -337,6 +337,21 @@ def test_second_draft_never_replaces_the_target_or_an_unrelated_directory(tmp_pa
     assert parse_args([]).out.name == "models"
 
 
+def test_head_training_arguments_are_checked(tmp_path, capsys):
+    from jobs.train_tiny import parse_args
+
+    target = str(DEFAULT_TARGET)
+    for extra, why in (
+        (["--head-windows", "8"], "--head-windows >= 16"),
+        (["--head-steps", "0"], "--head-steps and --ttt-steps must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--head-for", target, "--out", str(tmp_path / "h"), *extra])
+        assert why in capsys.readouterr().err, extra
+    args = parse_args(["--head-for", target, "--out", str(tmp_path / "h"), "--head-windows", "64"])
+    assert args.head_windows == 64
+
+
 def test_bench_and_acceptance_arguments_are_checked_before_anything_loads(capsys):
     from jobs.bench_online import parse_args as bench_args
     from jobs.cli import parse_policy_specs
