@@ -15,11 +15,10 @@ def tables(path: Path) -> dict:
     """{domain: {policy: row}} from one bench_online output's per-domain tables."""
     out: dict = {}
     domain = None
-    best = {}
     for line in path.read_text().splitlines():
         m = re.match(r"^(\w+), T=0 \(best fixed: (.+)\)$", line)
         if m:
-            domain, best[m.group(1)] = m.group(1), m.group(2)
+            domain = m.group(1)
             out[domain] = {"best": m.group(2)}
             continue
         if domain and line.startswith("  ") and not line.strip().startswith("policy"):
