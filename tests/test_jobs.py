@@ -144,6 +144,39 @@ def test_train_tiny_second_draft_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_tiny_head_smoke(tmp_path):
+    """--head-for trains only an EAGLE-3 head, on stdlib and ShareGPT windows, that loads."""
+    from pipeline.models.eagle3_formats import head_format, read_config
+
+    proc = _run(
+        [
+            "jobs.train_tiny",
+            "--head-for",
+            str(DEFAULT_TARGET),
+            "--out",
+            "h",
+            "--head-windows",
+            "32",
+            "--head-steps",
+            "2",
+            "--ttt-steps",
+            "2",
+            "--head-sharegpt-fraction",
+            "0.5",
+        ],
+        cwd=tmp_path,
+    )
+    assert "EAGLE-3 head" in proc.stdout
+    report = json.loads((tmp_path / "h" / "train_report.json").read_text())
+    assert report["sharegpt_windows"] == 16 and report["windows"] == 32
+    for key in ("heldout_top1_agreement_by_step", "heldout_sharegpt_top1_agreement_by_step"):
+        assert len(report[key]) == 2 and all(0.0 <= a <= 1.0 for a in report[key])
+    assert head_format(tmp_path / "h") == "specforge"
+    cfg, _ = read_config(tmp_path / "h")
+    assert cfg.verifier_name == str(DEFAULT_TARGET)
+
+
+@pytest.mark.slow
 def test_study_end_to_end_small(tmp_path):
     args = "--limit 3 --max-new-tokens 24 --lmax 4 --calibration-prompts 2 "
     args += "--calibration-tokens 12 --num-cpus 2 --out study"
@@ -344,6 +377,7 @@ def test_head_training_arguments_are_checked(tmp_path, capsys):
     for extra, why in (
         (["--head-windows", "8"], "--head-windows >= 16"),
         (["--head-steps", "0"], "--head-steps and --ttt-steps must be >= 1"),
+        (["--head-sharegpt-fraction", "1.5"], "--head-sharegpt-fraction must be in [0, 1]"),
     ):
         with pytest.raises(SystemExit):
             parse_args(["--head-for", target, "--out", str(tmp_path / "h"), *extra])

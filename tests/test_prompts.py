@@ -287,3 +287,21 @@ def test_sharegpt_source_from_the_packaged_dataset() -> None:
     assert all(
         len(p.text.strip()) >= 4 and len(p.text.encode()) <= MAX_PROMPT_BYTES for p in everything
     )
+
+
+def test_sharegpt_conversations_are_whole_and_stop_at_the_budget() -> None:
+    """The head's chat training text: every turn of a conversation, in file order, until the
+    character budget is met; a budget below one character is refused."""
+    from pipeline.data.sharegpt import sharegpt_conversations
+    from pipeline.tiny.corpus import sharegpt_documents
+
+    small = sharegpt_conversations(1)
+    assert len(small) == 1 and small[0][1].strip()
+    some = sharegpt_conversations(50_000)
+    assert some[0] == small[0] and len(some) > 1
+    assert sum(len(t) for _, t in some[:-1]) < 50_000 <= sum(len(t) for _, t in some)
+    assert len({cid for cid, _ in some}) == len(some)
+    docs = sharegpt_documents(50_000)
+    assert [d.name for d in docs] == [f"sharegpt/{cid}" for cid, _ in some]
+    with pytest.raises(ValueError, match="max_chars must be >= 1"):
+        sharegpt_conversations(0)

@@ -149,6 +149,27 @@ def sharegpt_prompts(
     return prompts
 
 
+def sharegpt_conversations(max_chars: int) -> list[tuple[str, str]]:
+    """(id, text) of the packaged conversations in file order, every turn's text joined by a
+    blank line, until ``max_chars`` characters are taken: training text of the chat workload
+    (a head learns the target's features on conversational English, not only on code)."""
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    text, name = _packaged_text()
+    out: list[tuple[str, str]] = []
+    taken = 0
+    for n, record in enumerate(read_records(text, name)):
+        cid, turns = _turns(record, n, name)
+        body = "\n\n".join(t["value"].strip() for t in turns if t["value"].strip())
+        if not body:
+            continue
+        out.append((f"{cid}/{n}", body))
+        taken += len(body)
+        if taken >= max_chars:
+            break
+    return out
+
+
 def load_sharegpt(
     limit: int | None = None,
     path: str | os.PathLike[str] | None = None,

