@@ -27,6 +27,7 @@ from pipeline.vllm_spec.env import vllm_python
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 from vllm_serving.llm_configs import SCHEDULER_CLASS, llm_config_dicts
+from vllm_serving.run import engine_demand, shortfall
 from vllm_serving.settings import DEFAULT_K, VllmAppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,6 +220,19 @@ def test_gpu_engine_placement_and_one_config_per_model():
     )
     assert [c["model_loading_config"]["model_id"] for c in configs] == ["plain", "ng"]
     assert configs[1]["engine_kwargs"]["speculative_config"]["method"] == "ngram"
+
+
+def test_a_cluster_too_small_for_the_engines_is_refused_before_deploying():
+    """The runner checks the engines' bundles against the cluster up front (Serve's 30 s
+    "to be scheduled" warning also fires for replicas that are only slow to start)."""
+    models = [{"name": "plain", "speculation": "none"}, {"name": "ng", "speculation": "ngram"}]
+    settings = {"models": models, "engine_cpus": 1.5, "min_replicas": 2, "max_replicas": 2}
+    demand = engine_demand(llm_config_dicts(VllmAppArgs.model_validate(settings)))
+    assert demand == {"CPU": 6.0}
+    assert shortfall(demand, {"CPU": 6.0, "memory": 1e9}) is None
+    problem = shortfall(demand, {"CPU": 4.0})
+    assert problem is not None and "CPU 6 > 4" in problem and "--num-cpus" in problem
+    assert "GPU 2 > 0" in shortfall({"CPU": 1.0, "GPU": 2.0}, {"CPU": 2.0})
 
 
 # -- the deadline ----------------------------------------------------------------------------

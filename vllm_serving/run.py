@@ -19,16 +19,33 @@ import time
 APP = "specbound-vllm"
 
 
-def _unschedulable(app: str) -> str | None:
-    """Serve's message for a deployment whose replicas wait for resources, if any (then the
-    cluster has too few CPUs for one engine bundle per model id and replica)."""
-    from ray import serve
+def engine_demand(configs: list[dict]) -> dict[str, float]:
+    """Resources the app's engine replicas hold at their minimum count: each model id's
+    placement-group bundles, once per replica (the actors themselves ask for none)."""
+    demand: dict[str, float] = {}
+    for config in configs:
+        replicas = config["deployment_config"]["autoscaling_config"]["min_replicas"]
+        for bundle in config["placement_group_config"]["bundles"]:
+            for resource, amount in bundle.items():
+                demand[resource] = demand.get(resource, 0.0) + replicas * amount
+    return demand
 
-    status = serve.status().applications.get(app)
-    for name, deployment in (status.deployments if status else {}).items():
-        if "to be scheduled" in (deployment.message or ""):
-            return f"{name}: {deployment.message}"
-    return None
+
+def shortfall(demand: dict[str, float], cluster: dict[str, float]) -> str | None:
+    """Why the cluster cannot hold the demand, or None. Checked before deploying: Serve's own
+    "taken more than 30s to be scheduled" also appears for replicas that are merely slow to
+    start on a loaded machine, so it cannot tell the two apart."""
+    short = [
+        f"{resource} {need:g} > {cluster.get(resource, 0.0):g}"
+        for resource, need in demand.items()
+        if need > cluster.get(resource, 0.0) + 1e-9
+    ]
+    if not short:
+        return None
+    return (
+        f"the engine replicas need {', '.join(short)} in the cluster (one bundle per model id "
+        "and replica): raise --num-cpus, or lower engine_cpus, min_replicas or the models"
+    )
 
 
 def _wait_ready(url: str, app: str, deadline_s: float) -> None:
@@ -38,8 +55,6 @@ def _wait_ready(url: str, app: str, deadline_s: float) -> None:
 
     ends = time.monotonic() + deadline_s
     while time.monotonic() < ends:
-        if problem := _unschedulable(app):
-            raise RuntimeError(f"the vLLM app cannot place its replicas: {problem}")
         status = serve.status().applications.get(app)
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"the vLLM app failed to deploy: {status.message}")
@@ -78,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = json.loads(opts.args)
     checked = VllmAppArgs.model_validate(settings)
-    llm_config_dicts(checked)  # bad settings and artifacts fail here, before Ray starts
+    configs = llm_config_dicts(checked)  # bad settings and artifacts fail here, before Ray
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -90,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         _metrics_export_port=opts.metrics_port,
     )
     try:
+        if problem := shortfall(engine_demand(configs), ray.cluster_resources()):
+            raise RuntimeError(f"the vLLM app cannot place its replicas: {problem}")
         serve.start(http_options={"host": "127.0.0.1", "port": opts.port})
         # Not waiting inside serve.run: a replica that can never be placed would hang it.
         serve._run(build_app(settings), name=APP, route_prefix="/", _blocking=False)
