@@ -40,6 +40,21 @@ def test_distribution_stats_of_a_known_distribution():
     assert stats_of(probs[0]) == pytest.approx(distribution_stats(probs)[0].tolist(), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_per_token_stats_equal_the_batched_ones(dtype):
+    """The policies' per-token path reads what the acceptance model was trained on
+    (distribution_stats), on a full vocabulary, with zeros and a tie at the top."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.softmax(3 * torch.randn(4096, generator=gen), -1) for _ in range(4)]
+    cases += [torch.tensor([0.4, 0.4, 0.2, 0.0]), torch.tensor([0.0, 0.0, 1.0])]
+    for probs in cases:
+        probs = probs.to(dtype)
+        expected = distribution_stats(probs[None])[0].tolist()  # in the same dtype
+        rel = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the batched log is in bf16
+        assert stats_of(probs) == pytest.approx(expected, rel=rel, abs=1e-6)
+        assert position_stats(probs, NgramIndex(), [])[:4] == stats_of(probs)
+
+
 def test_context_match_is_the_longest_ngram_already_in_the_text():
     index = NgramIndex()
     index.extend([1, 2, 3, 4, 1, 2])

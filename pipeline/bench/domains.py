@@ -123,6 +123,7 @@ def format_domain_summary(df: pd.DataFrame) -> str:
     ]
     for (domain, temp), group in df.groupby(["domain", "temperature"], sort=False):
         best = group["best_fixed"].iloc[0]
+        best = "no fixed K in this run" if pd.isna(best) else best
         lines.append(f"\n{domain}, T={temp:g} (best fixed: {best})")
         lines.append(
             f"  {'policy':40s} {'tok/s':>7} {'speedup':>8} {'x best fixed':>13} "
@@ -136,9 +137,10 @@ def format_domain_summary(df: pd.DataFrame) -> str:
                 if r.greedy_equal is None or pd.isna(r.greedy_equal)
                 else ("yes" if r.greedy_equal else "NO")
             )
+            over = "-" if pd.isna(r.over_best_fixed) else f"{r.over_best_fixed:.2f}x"
             lines.append(
                 f"  {r.policy:40s} {r.tok_s:7.1f} {r.speedup:7.2f}x "
-                f"{r.over_best_fixed:12.2f}x {of_bound:>9} {r.mean_accepted:9.2f} "
+                f"{over:>13} {of_bound:>9} {r.mean_accepted:9.2f} "
                 f"{equal:>9} {_ms(r.draft_ms_per_forward):>13}"
             )
     return "\n".join(lines)
@@ -152,5 +154,6 @@ def domain_metrics(df: pd.DataFrame) -> dict[str, float]:
         key = f"{r.domain}_T{r.temperature:g}_{r.policy}".replace("(", "_").replace(")", "")
         key = "".join(c if c.isalnum() or c in "_-." else "_" for c in key)
         out[f"{key}_speedup"] = float(r.speedup)
-        out[f"{key}_over_best_fixed"] = float(r.over_best_fixed)
+        if not pd.isna(r.over_best_fixed):  # a run without fixed K has no ratio
+            out[f"{key}_over_best_fixed"] = float(r.over_best_fixed)
     return out
