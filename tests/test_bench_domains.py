@@ -79,7 +79,6 @@ def test_ratios_over_each_domains_best_fixed_k_and_pooled():
     assert domain_metrics(df.reset_index())["all_T0_ours_over_best_fixed"] > 1
 
 
-
 def test_a_run_without_fixed_k_has_no_ratio_and_says_so():
     rows = [_row("ar", 4.0, TEXT, 100.0), _row("ours", 2.0, TEXT, 60.0)]
     df = domain_table({"code": _result(rows)})
@@ -88,6 +87,7 @@ def test_a_run_without_fixed_k_has_no_ratio_and_says_so():
     metrics = domain_metrics(df)
     assert metrics["code_T0_ours_speedup"] == pytest.approx(2.0)
     assert not any(key.endswith("_over_best_fixed") for key in metrics)
+
 
 @pytest.mark.slow
 def test_bench_online_per_domain(tmp_path):

@@ -116,6 +116,25 @@ def test_rounds_table_records_forwards_of_fixed_and_look_rounds(rounds):
     assert len(order) == len(PROMPTS) * (len(KS) + len(LOOK_KS))
 
 
+def test_sampled_rounds_are_seeded_per_generation(checkpoints):
+    """Rounds decoded at T = 1, top-p 0.9 repeat exactly on a rerun (each generation seeded by
+    its place in the run) and differ from the greedy ones; timing repeats need greedy."""
+    saved = load_pair(checkpoints.target, checkpoints.draft, "cpu", "float32")
+    mode = SamplingConfig(temperature=1.0, top_p=0.9)
+
+    def run(sampling):
+        table = collect_rounds(
+            saved, PROMPTS, [0, 3], 12, 2, log=lambda _: None, sampling=sampling
+        ).to_pandas()
+        return table[["gen_id", "k", "accepted", "ctx_len"]]
+
+    first = run(mode)
+    pd.testing.assert_frame_equal(first, run(mode))
+    assert not first.equals(run(None))
+    with pytest.raises(ValueError, match="need greedy rounds"):
+        collect_rounds(saved, PROMPTS, [0], 4, 2, repeats=2, log=lambda _: None, sampling=mode)
+
+
 def test_look_budgets_must_be_calibrated_budgets(checkpoints):
     saved = load_pair(checkpoints.target, checkpoints.draft, "cpu", "float32")
     with pytest.raises(ValueError, match="among the budgets"):

@@ -264,6 +264,8 @@ def test_calibrate_job_with_a_forced_design(tmp_path, design):
         f"--design {design} --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
         "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal"
     )
+    sampled = design == "forced"  # one design's rounds sampled, the other's greedy
+    args += " --temperature 1 --top-p 0.9" if sampled else ""
     proc = _run_calibrate(tmp_path, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "designs side by side" in proc.stdout and "noise left per (m, U) cell" in proc.stdout
@@ -272,6 +274,9 @@ def test_calibrate_job_with_a_forced_design(tmp_path, design):
         assert (out / name).is_file(), name
     data = json.loads((out / "costmodel.json").read_text())
     assert data["design"] == design and data["torch_threads"] == 1
+    mode = {"temperature": 1.0, "top_p": 0.9} if sampled else {"temperature": 0.0, "top_p": 1.0}
+    assert data["sampling"] == mode
+    assert ("sampled at T=1, top-p 0.9" in proc.stdout) == sampled
     if design == "forced":  # in situ: a pass after every round, at the round's repeats
         assert data["designed_per_round"] == 1 and data["timing_repeats"] == 1
         designed = pd.read_parquet(out / "designed_rounds.parquet")
@@ -310,6 +315,10 @@ def test_the_committed_cost_model_comes_from_the_designed_calibration():
         ("--repeats 0", "--repeats must be >= 1"),
         ("--designed-per-round 0", "--designed-per-round must be >= 1"),
         ("--threads 0", "--threads must be >= 1"),
+        ("--temperature -1", "--temperature must be >= 0"),
+        ("--temperature 1 --top-p 0", "--top-p must be in (0, 1]"),
+        ("--top-p 0.9", "--top-p needs --temperature > 0"),
+        ("--temperature 1 --repeats 3", "--repeats > 1 needs greedy rounds"),
     ],
 )
 def test_calibrate_refuses_flags_that_would_fail_after_the_timing(argv, message, capsys):

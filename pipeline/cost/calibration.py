@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from pipeline.cost.rounds import collect_rounds
 from pipeline.data.prompts import Prompt
 from pipeline.data.shards import write_table_atomic
 from pipeline.data.sql import run_query
+from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import ModelPair
 
 ARTIFACTS = (
@@ -92,8 +93,10 @@ def run_calibration(
     max_levels: int = 8,
     designed_contexts: Iterable[int] | None = None,
     designed_per_round: int = 1,
+    sampling: SamplingConfig | None = None,
 ) -> CalibrationResult:
-    """Time greedy rounds with a fixed chain of K draft tokens for every K in ``ks`` (and look
+    """Time rounds (greedy, or decoded in ``sampling``'s mode: the draft line then prices
+    drafting in that mode) with a fixed chain of K draft tokens for every K in ``ks`` (and look
     rounds, K tokens and K + 1 draft forwards, for every K in ``look_ks``), fit the cost model
     and write it with its report artifacts under ``out``.
 
@@ -119,6 +122,7 @@ def run_calibration(
         repeats=repeats,
         look_ks=look_ks,
         observer=insitu,
+        sampling=sampling,
     )
     out.mkdir(parents=True, exist_ok=True)
     rounds_path = out / "rounds.parquet"
@@ -132,6 +136,8 @@ def run_calibration(
         "timing_repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "design": design,
+        # The rounds' decoding mode: their draft line prices drafting in that mode.
+        "sampling": asdict(sampling or SamplingConfig()),
     }
     result_extra: dict = {}
     if design == "observational":

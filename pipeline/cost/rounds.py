@@ -1,15 +1,17 @@
 """Timed speculative rounds for the verification-cost model (the ``rounds`` table).
 
-For every prompt and every budget K: greedy speculative decoding with a fixed chain of K draft
-tokens (K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs), and for
-every K in ``look_ks`` a generation of "look" rounds: the chain of K tokens then looks at one
-more draft distribution before stopping, as a policy that decides from the next token's
-distribution does (K + 1 draft forwards; K = 0: one look, no draft token). Each round records
-the target verification time T_T, the draft time T_D, the draft forwards it ran, m = K + 1,
-the routing signal U (mean over MoE layers of unique experts in the pass), the context length,
-KV occupancy, the generation id, the category and the accepted count. Budgets are interleaved
-per prompt so slow drifts of the machine do not masquerade as effects of K, and warm-up rounds
-on the first prompt are run for every kind of round and discarded.
+For every prompt and every budget K: speculative decoding with a fixed chain of K draft tokens
+(K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs), greedy or in
+a given sampling mode (then the draft's sampling is in its timed work; the verifier's
+acceptance walk is not timed), and for every K in ``look_ks`` a generation of "look" rounds:
+the chain of K tokens then looks at one more draft distribution before stopping, as a policy
+that decides from the next token's distribution does (K + 1 draft forwards; K = 0: one look,
+no draft token). Each round records the target verification time T_T, the draft time T_D,
+the draft forwards it ran, m = K + 1, the routing signal U (mean over MoE layers of unique
+experts in the pass), the context length, KV occupancy, the generation id, the category and
+the accepted count. Budgets are interleaved per prompt so slow drifts of the machine do not
+masquerade as effects of K, and warm-up rounds on the first prompt are run for every kind of
+round and discarded.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pipeline.decode.drafter import Drafter
 from pipeline.decode.engine import DecodeSession, SpeculativeEngine
 from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.simple import AutoregressivePolicy, FixedPolicy
-from pipeline.decode.types import Candidates
+from pipeline.decode.types import Candidates, SamplingConfig
 from pipeline.models.loading import ModelPair
 
 
@@ -73,10 +75,13 @@ def _generation_rounds(
     repeats: int = 1,
     look: bool = False,
     observe: Callable[[DecodeSession], None] | None = None,
+    sampling: SamplingConfig | None = None,
+    seed: int = 0,
 ) -> list[dict]:
-    """One greedy generation with a fixed chain of k (k = 0: plain steps), or of look rounds
-    (``look``: k tokens and k + 1 forwards), a row per round."""
-    session = engine.start(prompt_ids, _policy(k, look), repeats=repeats)
+    """One generation (greedy unless ``sampling`` says otherwise, seeded) with a fixed chain of
+    k (k = 0: plain steps), or of look rounds (``look``: k tokens and k + 1 forwards), a row
+    per round."""
+    session = engine.start(prompt_ids, _policy(k, look), sampling, seed, repeats=repeats)
     max_pos = getattr(engine.pair.target.config, "max_position_embeddings", 0) or 0
     rows: list[dict] = []
     while len(session.generated) < max_new_tokens:
@@ -117,10 +122,13 @@ def collect_rounds(
     log: Callable[[str], None] = print,
     look_ks: Iterable[int] = (),
     observer: StepObserver | None = None,
+    sampling: SamplingConfig | None = None,
 ) -> pa.Table:
     """``repeats`` > 1 times every pass that many times and records the median; ``look_ks``
     (a subset of ``ks``) adds a generation of look rounds per prompt for each of its K;
-    ``observer`` runs after every round (and once in the warm-up) at the session's state."""
+    ``observer`` runs after every round (and once in the warm-up) at the session's state;
+    ``sampling``: the decoding mode of every generation (None: greedy), each seeded by its
+    position in the run so that a calibration repeats."""
     look_ks = sorted(set(look_ks))
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
@@ -128,6 +136,9 @@ def collect_rounds(
         raise ValueError(f"budgets must be >= 0, got {ks}")
     if set(look_ks) - set(ks):
         raise ValueError(f"look budgets {look_ks} must be among the budgets {ks}")
+    if repeats > 1 and sampling is not None and not sampling.greedy:
+        # A repeat reruns a pass; with draws in it, the repeat would not be the same pass.
+        raise ValueError("timing repeats (repeats > 1) need greedy rounds, not sampled ones")
     # Interleaved per prompt: the look generation right after the fixed one of the same K.
     kinds = [(k, look) for k in ks for look in (False, True) if not look or k in look_ks]
     tok = pair.tokenizer
@@ -135,7 +146,7 @@ def collect_rounds(
     eos = tok.eos_token_id
     engine = SpeculativeEngine(pair)
     for k, look in kinds:  # warm-up: allocator, kernels, caches; discarded
-        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos, look=look)
+        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos, look=look, sampling=sampling)
     if observer is not None:
         session = engine.start(encoded[0], _policy(0, False))
         session.step()
@@ -150,8 +161,9 @@ def collect_rounds(
                 if observer is None
                 else partial(observer.after_step, gen_id=gen_id, category=prompt.category)
             )
+            seed = (n - 1) * len(kinds) + kinds.index((k, look))  # per generation, repeatable
             for row in _generation_rounds(
-                engine, ids, k, max_new_tokens, eos, repeats, look, observe
+                engine, ids, k, max_new_tokens, eos, repeats, look, observe, sampling, seed
             ):
                 rows.append({"gen_id": gen_id, "category": prompt.category, **row})
         elapsed = time.perf_counter() - started
