@@ -3,17 +3,14 @@ for fixed K = 6, `specdec` and `throughput` on 8 math prompts, twice. Run from t
 root."""
 
 import time
-from pathlib import Path
 
-import torch
+from verify_diag import head_setup  # the script beside this one
 
 from pipeline.data.domains import load_prompts
 from pipeline.data.prompts import encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.head_drafter import HeadDrafter
-from pipeline.decode.policies.artifacts import load_artifacts
 from pipeline.decode.policies.registry import make_policy
-from pipeline.models.loading import load_pair
 
 FORWARD_S = [0.0]
 
@@ -29,16 +26,7 @@ def _timed(method):
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    head = Path("models/eagle3-head")
-    pair = load_pair("models/target", head, "cpu", "float32", "eager")
-    art = load_artifacts(
-        Path("models/predictor"),
-        head / "costmodel.json",
-        head / "policy.json",
-        "cpu",
-        head / "acceptance.json",
-    )
+    pair, art = head_setup()
     HeadDrafter.begin = _timed(HeadDrafter.begin)
     HeadDrafter.extend = _timed(HeadDrafter.extend)
     engine = SpeculativeEngine(pair)

@@ -19,7 +19,8 @@ SPECS = [("ar", {}), ("fixed", {"k": 1}), ("fixed", {"k": 3}), ("fixed", {"k": 6
 SPECS += [("fixed", {"k": 8}), ("throughput", {})]
 
 
-def main(domains: list[str]) -> None:
+def head_setup():
+    """The head pair on CPU (float32, eager experts, one thread) and its committed artifacts."""
     torch.set_num_threads(1)
     head = Path("models/eagle3-head")
     pair = load_pair("models/target", head, "cpu", "float32", "eager")
@@ -30,6 +31,11 @@ def main(domains: list[str]) -> None:
         "cpu",
         head / "acceptance.json",
     )
+    return pair, art
+
+
+def main(domains: list[str]) -> None:
+    pair, art = head_setup()
     engine = SpeculativeEngine(pair)
     for domain in domains:
         prompts = [encode(pair.tokenizer, p.text, keep_last=512) for p in load_prompts(domain, 8)]
