@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -72,6 +73,9 @@ def test_two_nodes_both_process_shards(checkpoints, tmp_path):
         assert completed_shards(tmp_path / "out", TABLES) == set(range(6))
         seqs = read_table(tmp_path / "out", "sequences")
         assert sorted(seqs.column("seq_id").to_pylist()) == sorted(p.prompt_id for p in prompts)
+        # No Ray Data thread that outlives the cluster: its usage poller, polling after
+        # ray.shutdown(), made Ray exit this whole test process later in the suite.
+        assert "data-usage-metrics-poller" not in {t.name for t in threading.enumerate()}
     finally:
         context.wait_for_min_actors_s = wait_before
         ray.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -212,6 +213,10 @@ def run_extraction(
     items = [{"shard": k, "prompts": json.dumps([asdict(p) for p in shards[k]])} for k in todo]
     # Our own progress lines (sequences, tokens/s, ETA) replace Ray Data's periodic dumps.
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Ray Data's usage collection starts a driver thread that polls the cluster every 10 s for
+    # the rest of the process; one poll after ray.shutdown() makes Ray exit the process with
+    # status 1 (a driver that starts Ray again, as the study and the tests do, dies mid-run).
+    os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
     ray.data.DataContext.get_current().enable_progress_bars = False
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         ShardExtractor,
