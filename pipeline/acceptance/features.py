@@ -88,10 +88,13 @@ def distribution_stats(probs: torch.Tensor) -> torch.Tensor:
 def _top_stats(probs: torch.Tensor) -> tuple[list[float], int]:
     """distribution_stats of one distribution as floats, and its top token, with few tensor
     operations (this runs once per draft token while deciding)."""
-    top = probs.topk(2)
-    top1, top2 = top.values.tolist()
-    entropy = float(torch.special.entr(probs).sum())
-    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2], int(top.indices[0])
+    probs = probs.float()
+    values, indices = probs.topk(2)
+    top1, top2 = values.tolist()
+    # -sum p log p as one dot product, a quarter of entr().sum()'s time on a 4k vocabulary;
+    # the clamp keeps 0 * log 0 at 0 (top-p zeros, underflow) instead of nan.
+    entropy = -float(torch.dot(probs, probs.clamp_min(1e-30).log()))
+    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2], indices.tolist()[0]
 
 
 def stats_of(probs: torch.Tensor) -> list[float]:
