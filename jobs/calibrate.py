@@ -26,11 +26,21 @@ from pathlib import Path
 
 from jobs.cli import SOURCE_HELP, add_model_args, parse_ks, parser, run, torch_threads
 from pipeline.cost.calibration import DESIGNS, run_calibration
+from pipeline.cost.modes import format_modes
 from pipeline.cost.report import fit_metrics, format_design_comparison, format_report
 from pipeline.data.domains import load_prompts
 from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run, tracking_uri
+
+
+def _temperatures(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of temperatures (e.g. 0,1)"
+        ) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,14 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
     p.add_argument(
+        "--temperatures",
         "--temperature",
-        type=float,
-        default=0.0,
-        help="decoding mode of the timed rounds: 0 greedy (the default), > 0 sampled at that "
-        "temperature, the draft's sampling then in its timed work; recorded in costmodel.json",
+        type=_temperatures,
+        default=[0.0],
+        help="decoding modes of the timed rounds, interleaved per prompt: 0 greedy (the "
+        "default), > 0 sampled at that temperature (the draft's sampling and the acceptance "
+        "walk then in the timed work); e.g. 0,1 prices both in one costmodel.json (its "
+        "`modes`; the first mode also gives the file's own draft line)",
     )
     p.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus of the sampled rounds (1: none)"
+        "--top-p", type=float, default=1.0, help="nucleus of the sampled modes (1: none)"
     )
     p.add_argument("--warmup-tokens", type=int, default=16, help="discarded warm-up per K")
     p.add_argument(
@@ -147,14 +160,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--limit must be >= 2 (the fit clusters and cross-validates by generation)")
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
-    if not args.temperature >= 0:
-        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not all(t >= 0 for t in args.temperatures):
+        p.error(f"--temperatures must be >= 0, got {args.temperatures}")
+    if len(set(args.temperatures)) < len(args.temperatures):
+        p.error(f"--temperatures: each mode once, got {args.temperatures}")
+    sampled = any(t > 0 for t in args.temperatures)
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_p < 1 and args.temperature == 0:
-        p.error("--top-p needs --temperature > 0 (greedy rounds take the argmax)")
-    if args.temperature > 0 and (args.repeats or 1) > 1:
-        p.error("--repeats > 1 needs greedy rounds (a repeated pass would draw again)")
+    if args.top_p < 1 and not sampled:
+        p.error("--top-p needs a temperature > 0 (greedy rounds take the argmax)")
+    if sampled and (args.repeats or 1) > 1:
+        p.error("--repeats > 1 needs greedy rounds only (a repeated pass would draw again)")
     missing = sorted({k + 1 for k in args.ks} - set(args.designed_ms or ()))
     if args.designed_ms is not None and args.design != "observational" and missing:
         # The designed model must price every round it is tested on (and the oracle, every m).
@@ -185,15 +201,12 @@ def main(argv: list[str] | None = None) -> dict:
 def _calibrate(args: argparse.Namespace) -> dict:
     pair = load_pair(args.target, args.draft, args.device, args.dtype, args.experts_implementation)
     prompts = load_prompts(args.source, args.limit)
-    sampling = SamplingConfig(args.temperature, args.top_p)
+    modes = [SamplingConfig(t, args.top_p if t > 0 else 1.0) for t in args.temperatures]
+    named = ["greedy" if m.greedy else f"T={m.temperature:g} top-p {m.top_p:g}" for m in modes]
     print(
         f"calibrating on {pair.device} ({pair.dtype}, experts={pair.experts_implementation}): "
         f"{len(prompts)} prompts x K in {args.ks}, looks at K in {args.look_ks}, "
-        + (
-            "greedy"
-            if sampling.greedy
-            else f"sampled at T={args.temperature:g}, top-p {args.top_p:g}"
-        ),
+        f"modes: {', '.join(named)}",
         flush=True,
     )
     result = run_calibration(
@@ -211,7 +224,7 @@ def _calibrate(args: argparse.Namespace) -> dict:
         args.max_levels,
         args.designed_contexts,
         args.designed_per_round,
-        sampling,
+        modes,
     )
     params = {**{k: str(v) for k, v in vars(args).items()}, **result.meta}
     with tracked_run("calibrate", params=params) as tracked:
@@ -225,6 +238,9 @@ def _calibrate(args: argparse.Namespace) -> dict:
     if result.comparison is not None:
         print()
         print(format_design_comparison(result.comparison, result.cells, result.summary))
+    if result.fit.model.meta.get("modes"):
+        print()
+        print(format_modes(result.fit.model.meta["modes"]))
     print(
         f"\nwrote {args.out}/costmodel.json, rounds.parquet, plots; MLflow run {run_id} at "
         f"{tracking_uri()}"

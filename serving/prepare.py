@@ -55,10 +55,17 @@ def prepare_job(
             else:
                 check_token_ids(prompt, vocab, param)
                 prompts.append(list(prompt))
-    name, knobs = req.speculation_spec if req.speculation is not None else default_spec(artifacts)
+    if req.speculation is not None:
+        name, knobs = req.speculation_spec
+    else:
+        name, knobs = default_spec(artifacts, req.temperature)
+
+    sampling = SamplingConfig(req.temperature, req.top_p)
+    # The policy prices its steps in the mode this request decodes in.
+    priced = artifacts.for_sampling(sampling) if artifacts is not None else None
 
     def make_policy():
-        return build_policy(name, knobs, artifacts, artifacts_error)
+        return build_policy(name, knobs, priced, artifacts_error)
 
     policy = make_policy()
     try:
@@ -101,7 +108,7 @@ def prepare_job(
         name,
         knobs,
         max_tokens,
-        SamplingConfig(req.temperature, req.top_p),
+        sampling,
         req.stops,
         arrived + timeout,
     )

@@ -122,17 +122,43 @@ def test_sampled_rounds_are_seeded_per_generation(checkpoints):
     saved = load_pair(checkpoints.target, checkpoints.draft, "cpu", "float32")
     mode = SamplingConfig(temperature=1.0, top_p=0.9)
 
-    def run(sampling):
+    def run(modes):
         table = collect_rounds(
-            saved, PROMPTS, [0, 3], 12, 2, log=lambda _: None, sampling=sampling
+            saved, PROMPTS, [0, 3], 12, 2, log=lambda _: None, modes=modes
         ).to_pandas()
-        return table[["gen_id", "k", "accepted", "ctx_len"]]
+        return table[["gen_id", "k", "accepted", "ctx_len", "temperature"]]
 
-    first = run(mode)
-    pd.testing.assert_frame_equal(first, run(mode))
-    assert not first.equals(run(None))
+    first = run([mode])
+    pd.testing.assert_frame_equal(first, run([mode]))
+    assert not first.equals(run(()))
+    assert (first["temperature"] == 1.0).all()
     with pytest.raises(ValueError, match="need greedy rounds"):
-        collect_rounds(saved, PROMPTS, [0], 4, 2, repeats=2, log=lambda _: None, sampling=mode)
+        collect_rounds(saved, PROMPTS, [0], 4, 2, repeats=2, log=lambda _: None, modes=[mode])
+
+
+def test_modes_are_interleaved_per_prompt_and_their_walk_is_timed(checkpoints):
+    """Rounds of two modes in one run: every kind of generation in each mode, side by side
+    per prompt, the mode in the temperature column, the acceptance walk timed."""
+    saved = load_pair(checkpoints.target, checkpoints.draft, "cpu", "float32")
+    modes = [SamplingConfig(), SamplingConfig(temperature=1.0)]
+    rounds = collect_rounds(
+        saved, PROMPTS[:2], [0, 2], 8, 2, log=lambda _: None, look_ks=[2], modes=modes
+    ).to_pandas()
+    order = list(dict.fromkeys(rounds["gen_id"]))
+    assert order[:6] == [
+        "p0|K0|T0",
+        "p0|K0|T1",
+        "p0|K2|T0",
+        "p0|K2|T1",
+        "p0|K2+look|T0",
+        "p0|K2+look|T1",
+    ]
+    assert len(order) == 2 * 6
+    for gen_id, temperature in rounds.groupby("gen_id")["temperature"].first().items():
+        assert temperature == float(gen_id.split("|T")[1])
+    assert (rounds["t_accept_ms"] > 0).all() and np.isfinite(rounds["t_accept_ms"]).all()
+    with pytest.raises(ValueError, match="each decoding mode once"):
+        collect_rounds(saved, PROMPTS, [0], 4, 2, log=lambda _: None, modes=modes[:1] * 2)
 
 
 def test_look_budgets_must_be_calibrated_budgets(checkpoints):

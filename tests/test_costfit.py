@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from pipeline.cost.fit import fit_cost_model
-from pipeline.cost.model import CostModel
+from pipeline.cost.model import CostModel, select_mode
+from pipeline.cost.modes import fit_modes
 
 TRUE_BETA0 = {1: 5.0, 2: 5.5, 3: 6.0, 4: 6.2, 5: 4.0, 6: 4.3}
 TRUE_ALPHA = {1: 0.0, 2: 0.08, 3: 0.08, 4: 0.09, 5: 0.26, 6: 0.27}
@@ -138,3 +139,61 @@ def test_rounds_from_before_looks_are_read_as_fixed_chains():
     assert fit.model.draft_a == pytest.approx(DRAFT_A, abs=0.01)
     assert fit.model.meta["fit"]["draft"]["rounds_look"] == 0
     assert any("without draft_forwards" in note for note in fit.notes)
+
+
+# Per decoding mode: draft line (a, b) and acceptance walk (a per position, b), ms.
+MODE_PRICES = {0.0: ((DRAFT_A, DRAFT_B), (0.01, 0.02)), 1.0: ((0.55, 0.09), (0.20, 0.10))}
+
+
+def test_each_decoding_mode_gets_its_draft_and_acceptance_walk_prices():
+    """Rounds of two modes: the file's own line is the first mode's, and `modes` recovers
+    each mode's draft line and walk, which for_sampling then prices with."""
+    frames = []
+    for seed, (temperature, ((a, b), (wa, wb))) in enumerate(MODE_PRICES.items()):
+        df = synthetic_rounds(seed=seed, generations=20)
+        rng = np.random.default_rng(seed)
+        drafting = df["draft_forwards"] > 0
+        noise = rng.normal(0, 0.02, len(df))
+        df["t_draft_ms"] = np.where(drafting, a * df["draft_forwards"] + b + noise, 0.0)
+        df["t_accept_ms"] = wa * df["m"] + wb + rng.normal(0, 0.005, len(df))
+        df["temperature"] = temperature
+        df["gen_id"] += f"|T{temperature:g}"
+        frames.append(df)
+    rounds = pd.concat(frames, ignore_index=True)
+    model = fit_cost_model(rounds, draft_rounds=frames[0]).model
+    assert model.draft_a == pytest.approx(DRAFT_A, abs=0.01)
+    modes = fit_modes(rounds, model, top_p=0.9)
+    assert [(e["temperature"], e["top_p"]) for e in modes] == [(0.0, 1.0), (1.0, 0.9)]
+    for entry, ((a, b), (wa, wb)) in zip(modes, MODE_PRICES.values(), strict=True):
+        assert entry["draft"]["a"] == pytest.approx(a, abs=0.01)
+        assert entry["draft"]["b"] == pytest.approx(b, abs=0.03)
+        assert entry["accept"]["a"] == pytest.approx(wa, abs=0.005)
+        assert entry["accept"]["b"] == pytest.approx(wb, abs=0.02)
+        assert abs(entry["error"]["verify_bias_pct"]) < 1
+        assert abs(entry["error"]["draft_bias_pct"]) < 1
+    model.meta["modes"] = modes
+    model = CostModel.from_json(json.loads(json.dumps(model.to_json())))  # as saved
+    for temperature, top_p, entry in [(0.0, 1.0, modes[0]), (0.7, 1.0, modes[1])]:
+        priced = model.for_sampling(temperature, top_p)
+        assert priced.draft_a == entry["draft"]["a"] and priced.draft_b == entry["draft"]["b"]
+        walk = entry["accept"]["a"] * 5 + entry["accept"]["b"]
+        assert priced.t_target(5, 9.0, 200) == pytest.approx(model.t_target(5, 9.0, 200) + walk)
+        assert priced.meta["priced_mode"]["temperature"] == entry["temperature"]
+    # A file calibrated greedy only prices a sampled generation as it is.
+    model.meta["modes"] = modes[:1]
+    assert model.for_sampling(1.0) is model
+
+
+def test_a_sampled_generation_reads_the_nearest_mode_of_its_kind():
+    modes = [
+        {"temperature": 0.0, "top_p": 1.0},
+        {"temperature": 0.7, "top_p": 1.0},
+        {"temperature": 1.0, "top_p": 1.0},
+        {"temperature": 1.0, "top_p": 0.9},
+    ]
+    assert select_mode(modes, 0.0, 1.0) is modes[0]
+    assert select_mode(modes, 0.8, 1.0) is modes[1]  # nearest temperature
+    assert select_mode(modes, 1.3, 1.0) is modes[2]
+    assert select_mode(modes, 0.6, 0.95) is modes[3]  # a nucleus: the mode with one
+    assert select_mode(modes[:3], 0.6, 0.95) is modes[1]  # none with one: the nearest
+    assert select_mode(modes[1:], 0.0, 1.0) is None and select_mode(modes[:1], 1.0, 1.0) is None

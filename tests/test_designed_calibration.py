@@ -264,8 +264,8 @@ def test_calibrate_job_with_a_forced_design(tmp_path, design):
         f"--design {design} --limit 3 --ks 0,1,3 --look-ks none --max-new-tokens 16 "
         "--designed-repeats 2 --max-levels 3 --threads 1 --device cpu --out cal"
     )
-    sampled = design == "forced"  # one design's rounds sampled, the other's greedy
-    args += " --temperature 1 --top-p 0.9" if sampled else ""
+    sampled = design == "forced"  # one design's rounds greedy and sampled, the other's greedy
+    args += " --temperatures 0,1 --top-p 0.9" if sampled else ""
     proc = _run_calibrate(tmp_path, args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "designs side by side" in proc.stdout and "noise left per (m, U) cell" in proc.stdout
@@ -274,9 +274,15 @@ def test_calibrate_job_with_a_forced_design(tmp_path, design):
         assert (out / name).is_file(), name
     data = json.loads((out / "costmodel.json").read_text())
     assert data["design"] == design and data["torch_threads"] == 1
-    mode = {"temperature": 1.0, "top_p": 0.9} if sampled else {"temperature": 0.0, "top_p": 1.0}
-    assert data["sampling"] == mode
-    assert ("sampled at T=1, top-p 0.9" in proc.stdout) == sampled
+    assert data["sampling"] == {"temperature": 0.0, "top_p": 1.0}  # the file's own line
+    modes = [(e["temperature"], e["top_p"]) for e in data["modes"]]
+    assert modes == ([(0.0, 1.0), (1.0, 0.9)] if sampled else [(0.0, 1.0)])
+    assert "prices per decoding mode" in proc.stdout
+    assert ("T=1 top-p 0.9" in proc.stdout) == sampled
+    model = CostModel.from_json(data)
+    priced = model.for_sampling(1.0, 0.9)
+    assert priced.draft_a == data["modes"][-1]["draft"]["a"]
+    assert (priced is model) != sampled  # greedy only: a sampled generation priced as is
     if design == "forced":  # in situ: a pass after every round, at the round's repeats
         assert data["designed_per_round"] == 1 and data["timing_repeats"] == 1
         designed = pd.read_parquet(out / "designed_rounds.parquet")
@@ -315,10 +321,12 @@ def test_the_committed_cost_model_comes_from_the_designed_calibration():
         ("--repeats 0", "--repeats must be >= 1"),
         ("--designed-per-round 0", "--designed-per-round must be >= 1"),
         ("--threads 0", "--threads must be >= 1"),
-        ("--temperature -1", "--temperature must be >= 0"),
+        ("--temperatures 0,-1", "--temperatures must be >= 0"),
+        ("--temperatures 1,1", "--temperatures: each mode once"),
+        ("--temperatures 0,hot", "is not a comma-separated list of temperatures"),
         ("--temperature 1 --top-p 0", "--top-p must be in (0, 1]"),
-        ("--top-p 0.9", "--top-p needs --temperature > 0"),
-        ("--temperature 1 --repeats 3", "--repeats > 1 needs greedy rounds"),
+        ("--top-p 0.9", "--top-p needs a temperature > 0"),
+        ("--temperatures 0,1 --repeats 3", "--repeats > 1 needs greedy rounds"),
     ],
 )
 def test_calibrate_refuses_flags_that_would_fail_after_the_timing(argv, message, capsys):

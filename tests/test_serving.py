@@ -330,10 +330,10 @@ def test_sampling_follows_seed_and_top_p(server, pair):
     for seed in (1, 2, 3):
         texts[seed] = http(seed, 0.9)
         # The server's default policy (the request names none), decoded by the library.
-        name, knobs = default_spec(load_artifacts())
-        library = engine.generate(
-            ids, make_policy(name, **knobs), 16, SamplingConfig(1.0, 0.9), seed=seed
-        )
+        mode = SamplingConfig(1.0, 0.9)
+        name, knobs = default_spec(load_artifacts(), mode.temperature)
+        priced = load_artifacts().for_sampling(mode)  # the prices of the request's mode
+        library = engine.generate(ids, make_policy(name, priced, **knobs), 16, mode, seed=seed)
         assert texts[seed] == library.text, seed
     assert http(1, 0.9) == texts[1]
     assert len(set(texts.values())) > 1, texts
@@ -609,15 +609,16 @@ def test_load_concurrent_clients(server, pair, record_property):
     wall = time.perf_counter() - started
     errors = [(status, text) for status, _, text in results if status != 200]
     assert not errors, errors
-    name, knobs = default_spec(load_artifacts())  # the requests name no policy
-    assert name != "batch", "`batch` plans with its neighbours: name another policy here"
     engine = SpeculativeEngine(pair)
     for body, (_, _, text) in zip(bodies, results, strict=True):
+        mode = SamplingConfig(body["temperature"])
+        name, knobs = default_spec(load_artifacts(), mode.temperature)  # the requests name none
+        assert name != "batch", "`batch` plans with its neighbours: name another policy here"
         library = engine.generate(
             _ids(pair, body["prompt"]),
-            make_policy(name, **knobs),
+            make_policy(name, load_artifacts().for_sampling(mode), **knobs),
             body["max_tokens"],
-            SamplingConfig(body["temperature"]),
+            mode,
             seed=body["seed"],
         )
         assert text == library.text, (body, text, library.text)

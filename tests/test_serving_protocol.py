@@ -612,4 +612,6 @@ def test_a_request_naming_no_policy_is_served_without_the_artifacts_too():
     from serving.speculation import DEFAULT_POLICY, default_spec
 
     assert default_spec(load_artifacts()) == (DEFAULT_POLICY, {})
+    assert default_spec(load_artifacts(), 0.0) == ("throughput", {})
+    assert default_spec(load_artifacts(), 0.7) == ("specdec", {})  # chosen per temperature
     assert default_spec(None) == ("fixed", {"k": 4})  # no 500 for a request that asked nothing

@@ -68,6 +68,8 @@ def bench_batch(
             raise ValueError(f"bench_batch, before decoding: {label(name, knobs)}: {exc}") from None
     engine = BatchedEngine(pair)
     sampling = SamplingConfig(temperature)
+    if artifacts is not None:  # the cost model's prices for this temperature's mode
+        artifacts = artifacts.for_sampling(sampling)
     engine.generate_many(
         prompts[:2], lambda: make_policy("fixed", k=2), 8, sampling, max_batch=2
     )  # warm-up

@@ -50,6 +50,8 @@ def bench_policies(
     minutes) then slows every policy alike, instead of whichever ran in the slow minutes."""
     engine = SpeculativeEngine(pair)
     sampling = SamplingConfig(temperature=temperature)
+    if artifacts is not None:  # the cost model's prices for this temperature's mode
+        artifacts = artifacts.for_sampling(sampling)
     seconds = [0.0] * len(specs)
     outputs: list[list[list[int]]] = [[] for _ in specs]
     steps: list[list[list[StepRecord]]] = [[] for _ in specs]

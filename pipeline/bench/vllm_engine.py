@@ -129,12 +129,13 @@ def engine_runs(
         for j, cell in enumerate(cells):
             c, temp = int(cell["concurrency"]), float(cell["temperature"])
             sampling = SamplingConfig(temp)
+            priced = artifacts.for_sampling(sampling) if artifacts is not None else None
             for turn in range(len(specs)):
                 i = (turn + j + rep) % len(specs)
                 name, knobs = specs[i]
 
-                def policy(name=name, knobs=knobs):
-                    return make_policy(name, artifacts, **knobs)
+                def policy(name=name, knobs=knobs, priced=priced):
+                    return make_policy(name, priced, **knobs)
 
                 args = (
                     cell["prompts"],

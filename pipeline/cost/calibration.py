@@ -14,7 +14,7 @@ are written side by side (design_comparison.csv) with the per-cell noise left (c
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from pipeline.cost.design_stats import cell_dispersion, cell_medians, error_on, 
 from pipeline.cost.designed import InSituDesign
 from pipeline.cost.designed_contexts import collect_designed_rounds, prompt_contexts
 from pipeline.cost.fit import CostFit, fit_cost_model
+from pipeline.cost.modes import fit_modes
 from pipeline.cost.plots import plot_draft_vs_k, plot_target_vs_experts
 from pipeline.cost.provenance import pair_provenance
 from pipeline.cost.rounds import collect_rounds
@@ -93,12 +94,13 @@ def run_calibration(
     max_levels: int = 8,
     designed_contexts: Iterable[int] | None = None,
     designed_per_round: int = 1,
-    sampling: SamplingConfig | None = None,
+    modes: Sequence[SamplingConfig] = (),
 ) -> CalibrationResult:
-    """Time rounds (greedy, or decoded in ``sampling``'s mode: the draft line then prices
-    drafting in that mode) with a fixed chain of K draft tokens for every K in ``ks`` (and look
-    rounds, K tokens and K + 1 draft forwards, for every K in ``look_ks``), fit the cost model
-    and write it with its report artifacts under ``out``.
+    """Time rounds with a fixed chain of K draft tokens for every K in ``ks`` (and look rounds,
+    K tokens and K + 1 draft forwards, for every K in ``look_ks``) in each decoding mode of
+    ``modes`` (() : greedy), fit the cost model and write it with its report artifacts under
+    ``out``. The first mode's rounds give the file's own draft line; every mode gets its draft
+    and acceptance-walk lines in ``modes`` (pipeline.cost.modes).
 
     ``design="forced"`` fits the target on designed passes (every m in ``designed_ms``,
     default K + 1 for K in ``ks``) timed in situ: ``designed_per_round`` after every round, at
@@ -122,12 +124,15 @@ def run_calibration(
         repeats=repeats,
         look_ks=look_ks,
         observer=insitu,
-        sampling=sampling,
+        modes=modes,
     )
     out.mkdir(parents=True, exist_ok=True)
     rounds_path = out / "rounds.parquet"
     write_table_atomic(rounds, rounds_path)
     df = rounds.to_pandas()
+    base = (list(modes) or [SamplingConfig()])[0]
+    # The file's own draft line is the first mode's; the rounds of every mode price the target.
+    base_df = df[df["temperature"] == base.temperature].reset_index(drop=True)
     meta = {
         # device, dtype, experts implementation, checkpoint paths and fingerprints: what
         # CostModel.check_measured_on compares wherever the model is used
@@ -136,12 +141,12 @@ def run_calibration(
         "timing_repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "design": design,
-        # The rounds' decoding mode: their draft line prices drafting in that mode.
-        "sampling": asdict(sampling or SamplingConfig()),
+        # The mode the file's own draft line prices (every mode's prices: ``modes``).
+        "sampling": asdict(base),
     }
     result_extra: dict = {}
     if design == "observational":
-        fit = fit_cost_model(df, meta)
+        fit = fit_cost_model(df, meta, draft_rounds=base_df)
     else:
         # What only the designed fit was measured with; the observational file keeps ``meta``.
         designed_meta = dict(meta)
@@ -165,9 +170,11 @@ def run_calibration(
             designed_df = designed.to_pandas()
             target_rounds = cell_medians(designed_df)
         write_table_atomic(designed, out / "designed_rounds.parquet")
-        observational = fit_cost_model(df, {**meta, "design": "observational"})
+        observational = fit_cost_model(
+            df, {**meta, "design": "observational"}, draft_rounds=base_df
+        )
         # The draft line comes from the observational rounds (designed passes run no draft).
-        fit = fit_cost_model(target_rounds, designed_meta, draft_rounds=df)
+        fit = fit_cost_model(target_rounds, designed_meta, draft_rounds=base_df)
         # How each model prices the rounds: held out for the designed one, in-sample for the
         # observational one (its own out-of-sample figures are per m in its fit).
         fit.model.meta["fit"]["on_observational_rounds"] = heldout_summary(fit.model, df)
@@ -188,6 +195,8 @@ def run_calibration(
             "cells": cells,
             "summary": summary,
         }
+    top_p = next((mode.top_p for mode in modes if not mode.greedy), 1.0)
+    fit.model.meta["modes"] = fit_modes(df, fit.model, top_p)
     fit.model.save(out / "costmodel.json")
     per_k = run_query("calibration_per_k", rounds=rounds_path)
     per_k.to_csv(out / "per_k.csv", index=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,18 @@ def _same(key: str, measured: Any, used: Any) -> bool:
     return measured == used
 
 
+def select_mode(modes: list[dict[str, Any]], temperature: float, top_p: float) -> dict | None:
+    """The calibrated mode that prices decoding at ``temperature`` / ``top_p``: greedy for
+    T = 0; for T > 0 the sampled mode of the nearest temperature, one with a nucleus (top-p
+    < 1, a sort per distribution) preferred for a request with one and the other way round.
+    None: no mode of that kind was calibrated."""
+    if temperature <= 0:
+        return next((e for e in modes if e["temperature"] == 0), None)
+    sampled = [e for e in modes if e["temperature"] > 0]
+    same = [e for e in sampled if (e["top_p"] < 1) == (top_p < 1)] or sampled
+    return min(same, key=lambda e: abs(e["temperature"] - temperature), default=None)
+
+
 @dataclass
 class CostModel:
     beta0: dict[int, float]
@@ -67,6 +79,25 @@ class CostModel:
         distribution before stopping at k runs k + 1, a look that ended in k = 0 runs 1, and
         no draft (n = 0) costs nothing."""
         return self.draft_a * n + self.draft_b if n > 0 else 0.0
+
+    def for_sampling(self, temperature: float, top_p: float = 1.0) -> CostModel:
+        """The prices of a generation decoded at ``temperature`` and ``top_p``: the calibrated
+        mode that matches it (pipeline.cost.modes: its draft line, and its acceptance walk
+        added to every verification), or this model as it is when the file has no such mode
+        (calibrated in one mode, or before modes were recorded)."""
+        entry = select_mode(self.meta.get("modes") or [], temperature, top_p)
+        return self if entry is None else self.with_mode(entry)
+
+    def with_mode(self, entry: dict[str, Any]) -> CostModel:
+        """This model priced in one ``modes`` entry."""
+        walk_a, walk_b = float(entry["accept"]["a"]), float(entry["accept"]["b"])
+        return replace(
+            self,
+            beta0={m: b + walk_a * m + walk_b for m, b in self.beta0.items()},
+            draft_a=float(entry["draft"]["a"]),
+            draft_b=float(entry["draft"]["b"]),
+            meta={**self.meta, "priced_mode": {k: entry[k] for k in ("temperature", "top_p")}},
+        )
 
     @property
     def batch(self) -> BatchCost | None:

@@ -1,23 +1,24 @@
 """Timed speculative rounds for the verification-cost model (the ``rounds`` table).
 
 For every prompt and every budget K: speculative decoding with a fixed chain of K draft tokens
-(K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs), greedy or in
-a given sampling mode (then the draft's sampling is in its timed work; the verifier's
-acceptance walk is not timed), and for every K in ``look_ks`` a generation of "look" rounds:
+(K = 0 is plain autoregressive decoding, the m = 1 rounds the AR baseline needs), in every
+decoding mode asked for (greedy, sampled at a temperature and top-p: the draft's sampling is
+then in its timed draft work, the target's distributions and the acceptance walk in the
+round's t_accept_ms), and for every K in ``look_ks`` a generation of "look" rounds:
 the chain of K tokens then looks at one more draft distribution before stopping, as a policy
 that decides from the next token's distribution does (K + 1 draft forwards; K = 0: one look,
 no draft token). Each round records the target verification time T_T, the draft time T_D,
 the draft forwards it ran, m = K + 1, the routing signal U (mean over MoE layers of unique
-experts in the pass), the context length, KV occupancy, the generation id, the category and
-the accepted count. Budgets are interleaved per prompt so slow drifts of the machine do not
-masquerade as effects of K, and warm-up rounds on the first prompt are run for every kind of
-round and discarded.
+experts in the pass), the context length, KV occupancy, the generation id, the category,
+the accepted count and the mode's temperature. Budgets and modes are interleaved per prompt
+so slow drifts of the machine do not masquerade as effects of K or of the mode, and warm-up
+rounds on the first prompt are run for every kind of round and discarded.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -102,6 +103,8 @@ def _generation_rounds(
                 "kv_occupancy": (ctx_len - 1) / max_pos if max_pos else 0.0,
                 "accepted": rec.accepted,
                 "round": len(rows),
+                "temperature": sampling.temperature if sampling is not None else 0.0,
+                "t_accept_ms": rec.t_accept_ms,
             }
         )
         if observe is not None:
@@ -122,13 +125,13 @@ def collect_rounds(
     log: Callable[[str], None] = print,
     look_ks: Iterable[int] = (),
     observer: StepObserver | None = None,
-    sampling: SamplingConfig | None = None,
+    modes: Sequence[SamplingConfig] = (),
 ) -> pa.Table:
     """``repeats`` > 1 times every pass that many times and records the median; ``look_ks``
     (a subset of ``ks``) adds a generation of look rounds per prompt for each of its K;
     ``observer`` runs after every round (and once in the warm-up) at the session's state;
-    ``sampling``: the decoding mode of every generation (None: greedy), each seeded by its
-    position in the run so that a calibration repeats."""
+    ``modes``: the decoding modes (() : greedy only), every kind of generation run in each,
+    each generation seeded by its position in the run so that a calibration repeats."""
     look_ks = sorted(set(look_ks))
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
@@ -136,17 +139,28 @@ def collect_rounds(
         raise ValueError(f"budgets must be >= 0, got {ks}")
     if set(look_ks) - set(ks):
         raise ValueError(f"look budgets {look_ks} must be among the budgets {ks}")
-    if repeats > 1 and sampling is not None and not sampling.greedy:
+    modes = list(modes) or [SamplingConfig()]
+    temperatures = [mode.temperature for mode in modes]
+    if len(set(temperatures)) < len(temperatures):
+        raise ValueError(f"each decoding mode once: temperatures {temperatures} repeat")
+    if repeats > 1 and any(not mode.greedy for mode in modes):
         # A repeat reruns a pass; with draws in it, the repeat would not be the same pass.
         raise ValueError("timing repeats (repeats > 1) need greedy rounds, not sampled ones")
-    # Interleaved per prompt: the look generation right after the fixed one of the same K.
-    kinds = [(k, look) for k in ks for look in (False, True) if not look or k in look_ks]
+    # Interleaved per prompt: the look generation right after the fixed one of the same K, the
+    # modes side by side.
+    kinds = [
+        (k, look, mode)
+        for k in ks
+        for look in (False, True)
+        for mode in modes
+        if not look or k in look_ks
+    ]
     tok = pair.tokenizer
     encoded = [encode(tok, p.text, keep_last=max_prompt_tokens) for p in prompts]
     eos = tok.eos_token_id
     engine = SpeculativeEngine(pair)
-    for k, look in kinds:  # warm-up: allocator, kernels, caches; discarded
-        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos, look=look, sampling=sampling)
+    for k, look, mode in kinds:  # warm-up: allocator, kernels, caches; discarded
+        _generation_rounds(engine, encoded[0], k, warmup_tokens, eos, look=look, sampling=mode)
     if observer is not None:
         session = engine.start(encoded[0], _policy(0, False))
         session.step()
@@ -154,16 +168,18 @@ def collect_rounds(
     rows: list[dict] = []
     started = time.perf_counter()
     for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
-        for k, look in kinds:
+        for k, look, mode in kinds:
             gen_id = f"{prompt.prompt_id}|K{k}" + ("+look" if look else "")
+            if len(modes) > 1:
+                gen_id += f"|T{mode.temperature:g}"
             observe = (
                 None
                 if observer is None
                 else partial(observer.after_step, gen_id=gen_id, category=prompt.category)
             )
-            seed = (n - 1) * len(kinds) + kinds.index((k, look))  # per generation, repeatable
+            seed = (n - 1) * len(kinds) + kinds.index((k, look, mode))  # per generation
             for row in _generation_rounds(
-                engine, ids, k, max_new_tokens, eos, repeats, look, observe, sampling, seed
+                engine, ids, k, max_new_tokens, eos, repeats, look, observe, mode, seed
             ):
                 rows.append({"gen_id": gen_id, "category": prompt.category, **row})
         elapsed = time.perf_counter() - started

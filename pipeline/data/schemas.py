@@ -84,6 +84,8 @@ ROUNDS_SCHEMA = pa.schema(
         ("kv_occupancy", pa.float64()),  # kv_tokens / max positions
         ("accepted", pa.int32()),
         ("round", pa.int32()),  # index of the round within its generation
+        ("temperature", pa.float64()),  # the round's decoding mode: 0 greedy, > 0 sampled
+        ("t_accept_ms", pa.float64()),  # the target's distributions and the acceptance walk
     ]
 )
 

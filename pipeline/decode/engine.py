@@ -161,7 +161,12 @@ class DecodeSession:
         """Accept (the step's only draws after drafting), keep the accepted path in the target
         cache, record the step, let the policy adapt; the new tokens."""
         base = len(self.committed) - 1
-        new, accepted = accept(cands, self.sampling.probs(logits), self.sampling, self.rng)
+        # Timed: at T > 0 the target's distributions and the acceptance walk are work a
+        # step pays beside the forward (the cost model prices them per decoding mode).
+        (new, accepted), t_accept = timed(
+            self.pair.device,
+            lambda: accept(cands, self.sampling.probs(logits), self.sampling, self.rng),
+        )
         path = [0] + [n + 1 for n in accepted]
         self._keep_target(base, path)
         self.drafter.observe(path)
@@ -178,6 +183,7 @@ class DecodeSession:
             t_verify,
             self.drafter.forwards,
             self.drafter.tokens,
+            t_accept,
         )
         self.steps.append(record)
         self.policy.update(StepOutcome(cands, len(accepted), record))

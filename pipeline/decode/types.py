@@ -78,6 +78,9 @@ class StepRecord:
     # Tokens those forwards fed the draft: the catch-up on the last step's committed tokens
     # plus every chain token or tree node fed (what StepLimits.max_draft_tokens bounds).
     draft_tokens: int = 0
+    # The target's distributions (temperature, top-p) and the acceptance walk after the
+    # verification forward: cheap at T = 0, a real share of a step at T > 0.
+    t_accept_ms: float = 0.0
 
     @property
     def u_bar(self) -> float:

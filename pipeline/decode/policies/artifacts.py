@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from pipeline.acceptance.features import FEATURE_NAMES
 from pipeline.acceptance.model import AcceptanceModel
 from pipeline.cost.model import CostModel
 from pipeline.cost.provenance import pair_provenance
+from pipeline.decode.types import SamplingConfig
 from pipeline.models.loading import REPO_ROOT, ModelPair
 from pipeline.predictor.model import ExpertPredictor, LearnedExpertPredictor
 
@@ -74,6 +75,12 @@ class PolicyArtifacts:
     lam: float  # ms of expected cost per token of expected progress
     # The draft's acceptance learned offline (jobs.train_acceptance); None: not trained.
     acceptance: AcceptanceModel | None = None
+
+    def for_sampling(self, sampling: SamplingConfig) -> PolicyArtifacts:
+        """These artifacts with the cost model's prices for the mode ``sampling`` decodes in
+        (CostModel.for_sampling): what a policy for such a generation is built from."""
+        cost = self.cost.for_sampling(sampling.temperature, sampling.top_p)
+        return self if cost is self.cost else replace(self, cost=cost)
 
     def check_target(self, num_moe_layers: int, num_experts: int) -> None:
         """A predictor trained for another target would price the wrong experts."""
