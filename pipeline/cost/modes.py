@@ -17,7 +17,7 @@ import pandas as pd
 
 from pipeline.cost.design_stats import heldout_summary
 from pipeline.cost.design_stats import priced as priced_by
-from pipeline.cost.fit import fit_draft
+from pipeline.cost.fit import drop_interference, fit_draft
 from pipeline.cost.model import CostModel
 from pipeline.cost.ols import fit_linear_oos
 
@@ -29,7 +29,9 @@ def fit_modes(rounds: pd.DataFrame, model: CostModel, top_p: float) -> list[dict
         return []  # rounds from before modes were recorded
     modes = []
     for temperature, df in rounds.groupby("temperature", sort=True):
-        df = df.reset_index(drop=True)
+        # The same rounds the file's own draft line keeps (fit_cost_model): a mode that is
+        # the first one then has exactly the file's line.
+        df = drop_interference(df.reset_index(drop=True))[0]
         draft = fit_draft(df)
         accept, _ = fit_linear_oos(df, "t_accept_ms", ["m"])
         entry: dict[str, Any] = {
