@@ -106,8 +106,16 @@ def position_stats(probs: torch.Tensor, index: NgramIndex, tail: list[int]) -> l
     """What the model reads at one draft position, bar recent acceptance: stats_of(probs) and
     the context match of its top token after ``tail`` (the text's last tokens, chain
     included) in ``index`` (the committed text)."""
+    return position_view(probs, index, tail)[0]
+
+
+def position_view(
+    probs: torch.Tensor, index: NgramIndex, tail: list[int]
+) -> tuple[list[float], int]:
+    """position_stats and the distribution's top token, which a greedy drafter drafts: one
+    top-2 serves the features, the draft and its confidence (stats[1])."""
     stats, top = _top_stats(probs)
-    return [*stats, *match_features(index.match(tail, top))]
+    return [*stats, *match_features(index.match(tail, top))], top
 
 
 def feature_vector(stats: list[float], recent: float) -> list[float]:

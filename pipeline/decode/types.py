@@ -49,13 +49,16 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def extend_chain(self, token: int, probs: torch.Tensor, greedy: bool) -> None:
+    def extend_chain(
+        self, token: int, probs: torch.Tensor, greedy: bool, confidence: float | None = None
+    ) -> None:
         """Append ``token``, drawn from ``probs``, as the chain's next node (kept for the
-        acceptance rule when sampling; a greedy argmax needs none)."""
+        acceptance rule when sampling; a greedy argmax needs none). ``confidence``:
+        probs[token] when the caller already has it."""
         self.parents.append(len(self.tokens) - 1)
         self.tokens.append(token)
         self.q.append(None if greedy else probs)
-        self.confidences.append(float(probs[token]))
+        self.confidences.append(float(probs[token]) if confidence is None else confidence)
 
     @property
     def is_chain(self) -> bool:

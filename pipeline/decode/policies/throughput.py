@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.acceptance.features import MAX_MATCH, NgramIndex, position_stats
+from pipeline.acceptance.features import MAX_MATCH, NgramIndex, position_view
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
@@ -67,6 +67,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     step_overhead_ms: float = 0.0
     adapt: float = 0.2
     retime: bool = False
+    state_only: bool = False
     name = "throughput"
     summary = (
         "ours: draft while a token's expected value at the generation's own cost per "
@@ -112,6 +113,16 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             "measured over modelled step times (off: measured no better, docs/online.md)",
         ),
         Knob(
+            "state_only",
+            bool,
+            False,
+            help="read each token's acceptance off the draft's state alone (the acceptance "
+            "model's SpecDec++-style head, later tokens at the same rate): one product per "
+            "token instead of the distribution's statistics and the context match; cheaper "
+            "decisions, for a cheap draft such as an EAGLE-3 head (measured no better on "
+            "average, docs/eagle3.md)",
+        ),
+        Knob(
             "rate",
             float,
             None,
@@ -124,6 +135,14 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     )
     # (step kind, drafted, rate) of the generation's steps, for inspection.
     decisions: list[tuple[str, int, float]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.state_only and not all(m.head for m in self.acceptance.modes.values()):
+            raise ValueError(
+                "throughput: state_only reads the acceptance model's SpecDec++-style head, "
+                "which this acceptance.json lacks; retrain it with python -m jobs.train_acceptance"
+            )
+        super().__post_init__()
 
     def reset(self) -> None:
         self._recent: float | None = None  # moving average of acceptance outcomes
@@ -187,6 +206,11 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         look = self._td[1]
         total = 0.0
         spread = mode.spread_around(recent)
+        # A plan's worth rises with acceptance: when the least likely percentile's drafting
+        # pays, every one does (the common case while drafting pays; one worth, not ten).
+        low = min(spread)
+        if plan_worth(self._td, self._tt, rho, 1.0, [low] * self.max_k, 1, 0, first_free=False) > 0:
+            return True
         for a in spread:
             total += max(
                 plan_worth(self._td, self._tt, rho, 1.0, [a] * self.max_k, 1, 0, first_free=False),
@@ -214,20 +238,32 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         if drafter.sampling.greedy:
             recent = self._observe_catchup(drafter, committed, cached, recent)
         p_chain, decay = 1.0, self.acceptance.decay
-        self._index.extend(committed[len(self._index.tokens) :])
+        state_only = self.state_only
+        if not state_only:
+            self._index.extend(committed[len(self._index.tokens) :])
         tail = committed[-(MAX_MATCH - 1) :]
+        greedy = drafter.sampling.greedy
         for j in range(k_max):
-            stats = position_stats(probs, self._index, tail)
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
-            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
+            if state_only:
+                a_now = mode.p_head(state, self._offset)
+                later, top = [a_now] * (k_max - j - 1), None
+            else:
+                stats, top = position_view(probs, self._index, tail)
+                a_now, later = mode.chain_view(
+                    stats, recent, state, k_max - j - 1, decay, self._offset
+                )
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not plan_pays(
                 self._td, self._tt, rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
             ):
                 break
-            token = drafter.sample(probs)
-            cands.extend_chain(token, probs, drafter.sampling.greedy)
+            if greedy and top is not None:  # the argmax and its probability, off the top-2
+                token, conf = top, stats[1]
+            else:
+                token, conf = drafter.sample(probs), None
+            cands.extend_chain(token, probs, greedy, conf)
             self._predicted.append(a_now)
             p_chain *= a_now
             # Later tokens count only if this one is accepted: their features see it so.
@@ -247,12 +283,13 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         the committed text at positions no drafted token was judged on (after plain steps):
         outcomes for recent acceptance, which plain steps would otherwise leave frozen."""
         assert drafter.logits is not None
-        rows = drafter.logits[:-1].argmax(-1).tolist()  # row r predicts cached + r + 1
-        self._catchup = [
-            tok == committed[cached + r + 1]
-            for r, tok in enumerate(rows)
-            if cached + r + 1 > self._observed_upto
-        ]
+        # Row r predicts position cached + r + 1; rows up to the last judged position add
+        # nothing (after a drafting step that is all of them: no argmax to run).
+        first = max(0, self._observed_upto - cached)
+        self._catchup = []
+        if first < drafter.logits.shape[0] - 1:
+            rows = drafter.logits[first:-1].argmax(-1).tolist()
+            self._catchup = [tok == committed[cached + first + r + 1] for r, tok in enumerate(rows)]
         decay = self.acceptance.decay
         for hit in self._catchup:
             recent = decay * recent + (1 - decay) * float(hit)
