@@ -236,37 +236,3 @@ def test_retiming_scales_each_side_by_measured_over_modelled(artifacts):
     off = PriceTables(cost, union, 4, retime=False)
     off.step_price(record, 100)
     assert off.scale("draft") == 1.0 and off.step_price(record, 100) == pytest.approx(t_d + t_t)
-
-
-def _state_acceptance(artifacts, bias: float, hidden_size: int) -> AcceptanceModel:
-    """_constant_acceptance whose `current` and `next` models would draft the longest chain
-    (bias +12) and whose SpecDec++-style head says sigmoid(bias) from any state."""
-    sure = [12.0] + [0.0] * (W - 1)
-    mode = ModeModel(sure, sure, 0.5, [bias] + [0.0] * hidden_size, [12.0])
-    return replace(artifacts.acceptance, modes={"greedy": mode, "sampled": mode})
-
-
-def test_state_only_reads_acceptance_off_the_drafts_state(pair, ids, artifacts):
-    """With state_only the head's probability alone decides: a hopeless head switches
-    speculation off (probes every probe_every + 1 steps) though the feature models are sure, a
-    certain one drafts the longest chain; an acceptance model without a head is refused."""
-    size = pair.draft.config.hidden_size
-    hopeless = _state_acceptance(artifacts, -8.0, size)
-    policy = make_policy(
-        "throughput",
-        replace(artifacts, acceptance=hopeless),
-        state_only=True,
-        max_k=4,
-        probe_every=3,
-    )
-    assert [s.drafted for s in _run(pair, ids, policy, 8).steps] == [0, 0, 0, 1] * 2
-    # The same model without state_only reads the (sure) feature models.
-    policy = ThroughputPolicy(artifacts.cost, hopeless, max_k=4)
-    assert [s.drafted for s in _run(pair, ids, policy, 3).steps] == [4] * 3
-    sure = _state_acceptance(artifacts, 12.0, size)
-    policy = ThroughputPolicy(artifacts.cost, sure, max_k=5, state_only=True)
-    assert [s.drafted for s in _run(pair, ids, policy, 3).steps] == [5] * 3
-    with pytest.raises(ValueError, match="state_only.*jobs.train_acceptance"):
-        ThroughputPolicy(
-            artifacts.cost, _constant_acceptance(artifacts, 0.0), max_k=4, state_only=True
-        )

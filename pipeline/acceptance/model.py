@@ -111,16 +111,15 @@ class ModeModel:
             z += float(hidden.float().cpu() @ part)
         return z
 
-    def p_head(self, hidden: torch.Tensor, offset: float = 0.0) -> float:
-        """The SpecDec++-style head's P(accept) from the draft's state alone; ``offset`` is
-        added to its logit (a policy's online correction)."""
+    def p_head(self, hidden: torch.Tensor) -> float:
+        """The SpecDec++-style head's P(accept) from the draft's state alone."""
         part = self._hidden_weights["head"]  # type: ignore[attr-defined]
         if part is None:
             raise ValueError(
                 "the acceptance model has no SpecDec++-style head; retrain it "
                 "with python -m jobs.train_acceptance"
             )
-        return logistic(self.head[0] + float(hidden.float().cpu() @ part) + offset)
+        return logistic(self.head[0] + float(hidden.float().cpu() @ part))
 
     def spread_around(self, recent: float) -> list[float]:
         """The next token's acceptance at each percentile of the spread, given recent

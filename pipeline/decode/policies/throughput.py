@@ -67,7 +67,6 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     step_overhead_ms: float = 0.0
     adapt: float = 0.2
     retime: bool = False
-    state_only: bool = False
     name = "throughput"
     summary = (
         "ours: draft while a token's expected value at the generation's own cost per "
@@ -113,16 +112,6 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             "measured over modelled step times (off: measured no better, docs/online.md)",
         ),
         Knob(
-            "state_only",
-            bool,
-            False,
-            help="read each token's acceptance off the draft's state alone (the acceptance "
-            "model's SpecDec++-style head, later tokens at the same rate): one product per "
-            "token instead of the distribution's statistics and the context match; cheaper "
-            "decisions, for a cheap draft such as an EAGLE-3 head (measured no better on "
-            "average, docs/eagle3.md)",
-        ),
-        Knob(
             "rate",
             float,
             None,
@@ -135,14 +124,6 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     )
     # (step kind, drafted, rate) of the generation's steps, for inspection.
     decisions: list[tuple[str, int, float]] = field(default_factory=list, init=False)
-
-    def __post_init__(self) -> None:
-        if self.state_only and not all(m.head for m in self.acceptance.modes.values()):
-            raise ValueError(
-                "throughput: state_only reads the acceptance model's SpecDec++-style head, "
-                "which this acceptance.json lacks; retrain it with python -m jobs.train_acceptance"
-            )
-        super().__post_init__()
 
     def reset(self) -> None:
         self._recent: float | None = None  # moving average of acceptance outcomes
@@ -238,28 +219,20 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         if drafter.sampling.greedy:
             recent = self._observe_catchup(drafter, committed, cached, recent)
         p_chain, decay = 1.0, self.acceptance.decay
-        state_only = self.state_only
-        if not state_only:
-            self._index.extend(committed[len(self._index.tokens) :])
+        self._index.extend(committed[len(self._index.tokens) :])
         tail = committed[-(MAX_MATCH - 1) :]
         greedy = drafter.sampling.greedy
         for j in range(k_max):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
-            if state_only:
-                a_now = mode.p_head(state, self._offset)
-                later, top = [a_now] * (k_max - j - 1), None
-            else:
-                stats, top = position_view(probs, self._index, tail)
-                a_now, later = mode.chain_view(
-                    stats, recent, state, k_max - j - 1, decay, self._offset
-                )
+            stats, top = position_view(probs, self._index, tail)
+            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not plan_pays(
                 self._td, self._tt, rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
             ):
                 break
-            if greedy and top is not None:  # the argmax and its probability, off the top-2
+            if greedy:  # the drafter's argmax, with its probability, read off the top-2
                 token, conf = top, stats[1]
             else:
                 token, conf = drafter.sample(probs), None
