@@ -70,11 +70,22 @@ def test_ceiling_job_end_to_end(tmp_path):
         "1,2",
         "--traces",
         str(traces),
+        "--trees",
+        "eagle2:b=2",
     ]
     results = main(args)
     assert set(results) == {(d, t) for d in ("code", "prose", "math") for t in (0.0, 1.0)}
     assert all(r.gain_over_best_fixed >= 1.0 - 1e-9 for r in results.values())
-    again = main(args)  # read back from the saved traces
+    for r in results.values():
+        # The tree solve's chains-only ceiling and best fixed K are the chain ceiling's; more
+        # actions never cost more.
+        assert r.tree.chain == pytest.approx(r.clairvoyant)
+        assert r.tree.best_fixed == pytest.approx(r.fixed[r.best_k])
+        assert r.tree.chain_or_tree <= min(r.tree.chain, r.tree.tree) + 1e-9
+    again = main(args)  # read back from the saved traces (their texts too)
     assert {k: r.clairvoyant for k, r in again.items()} == pytest.approx(
         {k: r.clairvoyant for k, r in results.items()}
+    )
+    assert {k: r.tree.chain_or_tree for k, r in again.items()} == pytest.approx(
+        {k: r.tree.chain_or_tree for k, r in results.items()}
     )

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.acceptance.tree_ceiling import TreeCeiling
 
 # step(k, t): the modelled cost of a step at text position t that drafts k tokens.
 StepCost = Callable[[int, int], float]
@@ -51,6 +55,7 @@ class Ceiling:
 
     clairvoyant: float
     fixed: dict[int, float]  # K -> cost with every step drafting K
+    tree: TreeCeiling | None = None  # with trees beside chains (pipeline.acceptance.tree_ceiling)
 
     @property
     def best_k(self) -> int:

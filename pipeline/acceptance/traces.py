@@ -53,6 +53,9 @@ class AcceptanceTrace:
     # An EAGLE-3 head's chains (pipeline.acceptance.head_chains): each row's depth in its
     # chain, 1 starting the next chain; None: one sequence of positions (a draft model's).
     depth: np.ndarray | None = None
+    # The generated text itself (what the tree ceiling builds trees along); None in traces
+    # saved before it was kept.
+    tokens: np.ndarray | None = None
 
 
 @dataclass
@@ -137,6 +140,7 @@ def trace_prompt(
         stats,
         labels.cpu().numpy().astype(np.float64),
         hidden.float().cpu().numpy(),
+        tokens=np.asarray(gen.tokens, dtype=np.int64),
     )
     return trace, UnionCounts(sums, counts)
 
@@ -182,8 +186,15 @@ def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts, 
     """One .npz (concatenated arrays and offsets, and ``meta``: the pair and the settings the
     traces came from), so a refit need not decode again."""
     lengths = np.array([len(t.labels) for t in traces])
+    texts = {}
+    if all(t.tokens is not None for t in traces):
+        texts = {
+            "tokens": np.concatenate([t.tokens for t in traces]),
+            "token_lengths": np.array([len(t.tokens) for t in traces]),
+        }
     np.savez_compressed(
         path,
+        **texts,
         prompt_ids=np.array([t.prompt_id for t in traces]),
         temperatures=np.array([t.temperature for t in traces]),
         lengths=lengths,
@@ -211,6 +222,10 @@ def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
     ends = np.cumsum(data["lengths"])
     starts = ends - data["lengths"]
     depth = data["depth"] if "depth" in data else np.zeros(len(data["labels"]), np.int64)
+    texts: list[np.ndarray | None] = [None] * len(ends)
+    if "tokens" in data:
+        cuts = np.cumsum(data["token_lengths"])[:-1]
+        texts = list(np.split(data["tokens"], cuts))
     traces = [
         AcceptanceTrace(
             str(pid),
@@ -219,9 +234,10 @@ def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
             data["labels"][a:b],
             data["hidden"][a:b],
             depth[a:b] if depth[a:b].any() else None,
+            text,
         )
-        for pid, temp, a, b in zip(
-            data["prompt_ids"], data["temperatures"], starts, ends, strict=True
+        for pid, temp, a, b, text in zip(
+            data["prompt_ids"], data["temperatures"], starts, ends, texts, strict=True
         )
     ]
     meta = json.loads(str(data["meta"])) if "meta" in data else {}
