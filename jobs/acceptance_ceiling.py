@@ -23,13 +23,11 @@ import argparse
 from pathlib import Path
 
 from jobs.cli import add_model_args, parser, run, torch_threads
-from pipeline.acceptance.ceiling import Ceiling, ceiling
+from pipeline.acceptance.ceiling import Ceiling
+from pipeline.acceptance.ceiling_study import CeilingSettings, ceiling_study
 from pipeline.acceptance.model import AcceptanceModel
-from pipeline.acceptance.traces import collect_traces, load_traces, prompt_ids, save_traces
-from pipeline.acceptance.tree_ceiling import TreeCeiling, texts_tree_ceiling
 from pipeline.cost.model import CostModel
 from pipeline.data.domains import DOMAINS, load_domain
-from pipeline.decode.types import SamplingConfig
 from pipeline.extract.draft_trees import TreeRule
 from pipeline.models.loading import REPO_ROOT, load_pair
 from pipeline.tracking import tracked_run
@@ -94,125 +92,24 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
     cost = CostModel.load(args.artifacts / "costmodel.json")
     acceptance = AcceptanceModel.load(args.artifacts / "acceptance.json")
     cost.require_m(range(1, args.max_k + 2), f"--max-k {args.max_k}")
+    settings = CeilingSettings(
+        args.temperatures,
+        args.max_new_tokens,
+        args.max_k,
+        tuple(args.fixed),
+        args.trees,
+        args.traces,
+    )
     prompts = {name: load_domain(name, args.limit) for name in DOMAINS}
-    flat = [p for chosen in prompts.values() for p in chosen]
-    if args.traces is not None and args.traces.exists():
-        traces, _, _ = load_traces(args.traces)
-        if any(t.depth is not None for t in traces):
-            raise ValueError(
-                f"{args.traces} holds an EAGLE-3 head's chains (jobs.train_acceptance's); the "
-                "ceiling replays positions one after another: give another --traces path"
-            )
-        print(f"{len(traces)} traces read from {args.traces}", flush=True)
-    else:
-        print(
-            f"tracing {len(flat)} prompts x T in {args.temperatures}, {args.max_new_tokens} "
-            "tokens each",
-            flush=True,
-        )
-        with torch_threads(args.threads):
-            traces, unions = collect_traces(
-                pair,
-                flat,
-                args.temperatures,
-                args.max_new_tokens,
-                1,
-                log=lambda line: print(line, flush=True),
-                chains=False,  # the ceiling replays positions one after another
-            )
-        if args.traces is not None:
-            save_traces(args.traces, traces, unions, {"prompts": [p.prompt_id for p in flat]})
-    ids_of = {p.prompt_id: prompt_ids(pair, p) for p in flat}
-    context = {name: len(ids) for name, ids in ids_of.items()}
-
-    def step_for(prompt_id: str):
-        def step(k: int, t: int) -> float:
-            return cost.t_draft(k) + cost.t_target(
-                k + 1, acceptance.union(k + 1), context[prompt_id] + t
-            )
-
-        return step
-
-    results: dict[tuple[str, float], Ceiling] = {}
-    print("\ndomain  T    best fixed K  ceiling over best fixed  ceiling over ar  (modelled)")
-    for temp in args.temperatures:
-        for name, chosen in prompts.items():
-            ids = {p.prompt_id for p in chosen}
-            mine = [t for t in traces if t.temperature == temp and t.prompt_id in ids]
-            if not mine:
-                raise ValueError(
-                    f"no traces of {name} at T={temp:g} in {args.traces}: remove "
-                    "the file to trace again"
-                )
-            res = ceiling(
-                [t.labels for t in mine],
-                lambda i, mine=mine: step_for(mine[i].prompt_id),
-                args.max_k,
-                args.fixed,
-            )
-            results[(name, temp)] = res
-            print(
-                f"{name:6s}  {temp:<4g} {res.best_k:>12d}  {res.gain_over_best_fixed:>22.3f}x"
-                f"  {res.speedup_over_ar:>14.3f}x",
-                flush=True,
-            )
-            if args.trees is not None:
-                res.tree = _with_trees(pair, mine, temp, args, cost, acceptance, ids_of)
-    if args.trees is not None:
-        print(f"\nover the best fixed K, trees of {args.trees.name} up to {args.max_k} nodes")
-        print("domain  T    chains  trees  chain-or-tree  (modelled)")
-        for (name, temp), res in results.items():
-            gains = res.tree.over_best_fixed()
-            print(
-                f"{name:6s}  {temp:<4g} {gains['chain']:>6.3f}x {gains['tree']:>6.3f}x "
-                f"{gains['chain_or_tree']:>13.3f}x"
-            )
-    with tracked_run("acceptance_ceiling", params={k: str(v) for k, v in vars(args).items()}) as t:
-        t.log_metrics(
-            {
-                f"{n}_T{temp:g}_ceiling_over_best_fixed": r.gain_over_best_fixed
-                for (n, temp), r in results.items()
-            }
-        )
-        t.log_metrics(
-            {
-                f"{n}_T{temp:g}_{kind}_over_best_fixed": gain
-                for (n, temp), r in results.items()
-                if r.tree is not None
-                for kind, gain in r.tree.over_best_fixed().items()
-            }
-        )
-    return results
-
-
-def _with_trees(
-    pair,
-    traces: list,
-    temp: float,
-    args: argparse.Namespace,
-    cost: CostModel,
-    acceptance: AcceptanceModel,
-    ids_of: dict[str, list[int]],
-) -> TreeCeiling:
-    """The group's tree ceilings along its traces' texts: a step priced T_D(draft forwards) +
-    T_T(m, U(m), L), a chain of k tokens as m = k + 1 with k forwards like the chain ceiling's."""
-    if any(t.tokens is None for t in traces):
-        raise ValueError(
-            f"{args.traces} holds traces without their texts (saved before --trees existed): "
-            "remove the file to trace again"
-        )
-    texts = []
-    for t in traces:
-        ctx = len(ids_of[t.prompt_id])
-
-        def step(forwards: int, m: int, pos: int, ctx: int = ctx) -> float:
-            return cost.t_draft(forwards) + cost.t_target(m, acceptance.union(m), ctx + pos)
-
-        texts.append((ids_of[t.prompt_id], t.tokens, t.labels, step))
     with torch_threads(args.threads):
-        return texts_tree_ceiling(
-            pair, texts, SamplingConfig(temperature=temp), args.trees, args.max_k, args.fixed
+        study = ceiling_study(
+            pair, prompts, cost, acceptance, settings, log=lambda line: print(line, flush=True)
         )
+    if args.trees is not None:
+        print("\n" + study.tree_table(args.max_k))
+    with tracked_run("acceptance_ceiling", params={k: str(v) for k, v in vars(args).items()}) as t:
+        t.log_metrics(study.metrics())
+    return study.results
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ class DecodeSession:
             t_accept,
         )
         self.steps.append(record)
-        self.policy.update(StepOutcome(cands, len(accepted), record))
+        self.policy.update(StepOutcome(cands, len(accepted), record, tuple(accepted)))
         return new
 
     @property

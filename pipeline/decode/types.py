@@ -108,3 +108,5 @@ class StepOutcome:
     candidates: Candidates
     accepted: int
     record: StepRecord
+    # The accepted candidate nodes, root to leaf (in a tree, which branch the walk took).
+    accepted_nodes: tuple[int, ...] = ()

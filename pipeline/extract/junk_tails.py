@@ -28,9 +28,9 @@ from pipeline.extract.keyed_random import (
     uniforms,
 )
 from pipeline.models.adapters import MoESpec
+from pipeline.models.forest import forest_forward
 from pipeline.models.kvcache import crop_to
-from pipeline.models.routing import RoutingCapture
-from pipeline.models.treemask import chains_as_tree, tree_attention_inputs
+from pipeline.models.treemask import chains_as_tree
 
 TAIL_MODES = ("shared", "paper")
 # The verification rules a tail can stand for (docs/contract.md, "Junk tail").
@@ -252,7 +252,6 @@ def route_tails(
     )
 
 
-@torch.no_grad()
 def route_forest(
     target: PreTrainedModel,
     spec: MoESpec,
@@ -263,26 +262,8 @@ def route_forest(
 ) -> np.ndarray:
     """The target's routing of a packed forest (tails as chains, or the off-path nodes of
     draft trees), ``[nodes, layers, top_k]`` int16: node j follows its ancestors after the
-    cache's first ``root_context[j]`` positions (tree_attention_inputs). One forward; the cache
-    is returned to its original length."""
-    device = next(target.parameters()).device
-    base_len = target_cache.get_seq_length()
-    if not len(tokens):
-        return np.zeros((0, spec.num_moe_layers, spec.top_k), dtype=np.int16)
-    mask, positions = tree_attention_inputs(
-        parents, base_len, target.dtype, device, root_context=root_context
-    )
-    ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device).view(1, -1)
-    try:
-        with RoutingCapture(target, spec) as capture:
-            target(
-                ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=target_cache,
-                use_cache=True,
-            )
-            routing = capture.take(1, ids.shape[1])
-    finally:
-        crop_to(target_cache, base_len)
-    return routing[0].to(torch.int16).cpu().numpy()
+    cache's first ``root_context[j]`` positions. One forward (pipeline.models.forest); the
+    cache is returned to its original length."""
+    _, routing = forest_forward(target, target_cache, tokens, parents, root_context, spec)
+    assert routing is not None
+    return routing.to(torch.int16).cpu().numpy()

@@ -21,9 +21,8 @@ from pipeline.data.references import ReferenceSequence
 from pipeline.decode.types import SamplingConfig
 from pipeline.extract.draft_trees import TreeRule, expand_states, select
 from pipeline.extract.teacher_forced import TeacherForced, teacher_forced
-from pipeline.models.kvcache import crop_to
+from pipeline.models.forest import forest_forward
 from pipeline.models.loading import ModelPair
-from pipeline.models.treemask import tree_attention_inputs
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _with_probabilities(
                 parents.append(par + offsets[-1] if par >= 0 else -1)
                 tokens.append(tok)
                 contexts.append(p_len + i)  # x_0 .. x_i: the prompt and i generated tokens
-        logits = _forest_logits(pair, forced.target_cache, tokens, parents, contexts)
+        logits, _ = forest_forward(pair.target, forced.target_cache, tokens, parents, contexts)
         for i, off in zip(range(start, stop), offsets, strict=True):
             tree_parents, depth, toks = pending[i]
             rows = [
@@ -129,27 +128,3 @@ def _with_probabilities(
             out.append(StateTree(tree_parents, depth, toks, p))
         start = stop
     return out
-
-
-def _forest_logits(
-    pair: ModelPair, cache, tokens: list[int], parents: list[int], root_context: list[int]
-) -> torch.Tensor:
-    """The target's logits [nodes, vocab] after each node of a packed forest (node j follows
-    its ancestors after the cache's first ``root_context[j]`` positions); the cache is returned
-    to its length."""
-    target = pair.target
-    device = next(target.parameters()).device
-    base_len = cache.get_seq_length()
-    if not tokens:
-        return torch.zeros(0, target.config.vocab_size)
-    mask, positions = tree_attention_inputs(
-        parents, base_len, target.dtype, device, root_context=root_context
-    )
-    ids = torch.tensor([tokens], device=device)
-    try:
-        out = target(
-            ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-    finally:
-        crop_to(cache, base_len)
-    return out.logits[0].float()

@@ -16,6 +16,7 @@ from pipeline.decode.policies.artifacts import PolicyArtifacts, load_artifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.batch import BatchPolicy
 from pipeline.decode.policies.cascade import CascadePolicy
+from pipeline.decode.policies.chain_or_tree import ChainOrTreePolicy
 from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy
 from pipeline.decode.policies.knobs import KnobError
 from pipeline.decode.policies.marginal import MarginalPolicy
@@ -44,6 +45,7 @@ POLICIES: dict[str, type[Policy]] = {
         AdaEDLPolicy,
         SpecDecPolicy,
         ThroughputPolicy,
+        ChainOrTreePolicy,
         BatchPolicy,
     )
 }

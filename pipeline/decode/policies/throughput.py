@@ -138,7 +138,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         assert self.max_k is not None
         self.prices = PriceTables(self.cost, self.acceptance.union, self.max_k, self.retime)
         self._td, self._tt = self.prices.td, self.prices.tt  # this step's tables
-        self._predicted: list[float] = []  # P(accept) of each token drafted this step
+        self._predicted: list[float] = []  # P(accept) of each position drafted or looked at
         self._index = NgramIndex()  # the committed text's n-grams, for the context match
         self.decisions = []
 
@@ -227,6 +227,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             # This token, and the ones after it, each given the ones before it accepted.
             stats, top = position_view(probs, self._index, tail)
             a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
+            self._predicted.append(a_now)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not plan_pays(
                 self._td, self._tt, rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
@@ -237,7 +238,6 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             else:
                 token, conf = drafter.sample(probs), None
             cands.extend_chain(token, probs, greedy, conf)
-            self._predicted.append(a_now)
             p_chain *= a_now
             # Later tokens count only if this one is accepted: their features see it so.
             recent = decay * recent + (1 - decay)

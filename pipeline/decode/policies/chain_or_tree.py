@@ -1,0 +1,197 @@
+"""`chain-or-tree`: `throughput`'s chain, made a small tree where the tree is worth more.
+
+The tree ceiling (pipeline.acceptance.tree_ceiling) puts choosing a tree where it pays at 3-15
+points over chains at T = 0. The cheapest tree to add to a chain: at every drafted position
+the draft's distribution is already computed, so its runner-up token there costs no draft
+forward, only one more verified position. Under greedy verification the runner-up is accepted
+when the chain before it was accepted, the chain's own token was not, and the target's argmax
+is the runner-up:
+
+    P(runner-up at j accepted) = prod_{i<j} a_i * (1 - a_j) * s
+
+with a_i the chain's acceptances as `throughput` models them and s the runner-up's share of
+the draft's misses. The draft's own probabilities say little about s: on held-out prompts
+(8-15 of each domain, the 1-layer draft) the runner-up was the target's token at 53-74% of the
+misses while q(x') / (1 - q(x_j)) averaged 0.05-0.13. So s starts at the ``runner_up`` knob and
+follows this generation's judged runner-ups (a Beta estimate). An accepted runner-up adds one
+token (the path ends there with its bonus token), so the step adds the n runner-ups of highest
+probability that maximise rho * sum P - [T_T(m + n) - T_T(m)], rho the rate `throughput`
+already prices tokens at; n = 0 keeps the chain. The tree is verified with the engine's tree
+mask, as `tree` is.
+
+Only at T = 0: at T > 0 the engine verifies a node with siblings by the multi-candidate rule,
+which would accept the chain's sampled token with p(x) instead of min(1, p(x) / q(x)), and the
+ceiling shows deterministic trees cannot lift T = 1 (docs/online.md); there the policy is
+`throughput`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.decode.drafter import Drafter
+from pipeline.decode.policies.knobs import Knob
+from pipeline.decode.policies.throughput import ThroughputPolicy
+from pipeline.decode.types import Candidates, StepOutcome
+
+# The runner-up's share starts at the knob with the weight of this many judged runner-ups,
+# so that a few cannot swing it.
+SHARE_PRIOR = 4.0
+
+
+@dataclass(frozen=True)
+class Alternative:
+    position: int  # the chain position it stands at (its parent is the chain node before)
+    token: int
+    worth: float  # P(accepted): the chain before it accepted and the target's token is this
+    runner_up: bool = True  # False: the top token of a position the chain declined
+
+
+def alternatives(
+    chain: Sequence[int], dists: Sequence[torch.Tensor], accs: Sequence[float], share: float
+) -> list[Alternative]:
+    """The leaves a step may add beside its chain, highest worth first: the draft's best other
+    token at every chain position, and where `throughput` looked at one more position and
+    declined it (``dists`` one longer than the chain), that position's top two. ``accs[j]``:
+    P(the top token at position j is accepted | the chain before it is), as modelled when
+    drafted; ``share``: P(the runner-up is the target's token | the top one is not)."""
+    out, prefix = [], 1.0
+    for j, (probs, a) in enumerate(zip(dists, accs, strict=True)):
+        top = torch.topk(probs, 2).indices.tolist()
+        if j == len(chain):  # the declined position: both its top tokens, as leaves
+            out.append(Alternative(j, top[0], prefix * a, runner_up=False))
+            out.append(Alternative(j, top[1], prefix * (1.0 - a) * share))
+            break
+        other = top[1] if top[0] == chain[j] else top[0]  # at T = 0: the second
+        out.append(Alternative(j, other, prefix * (1.0 - a) * share))
+        prefix *= a
+    return sorted(out, key=lambda alt: -alt.worth)
+
+
+def best_alternatives(
+    options: Sequence[Alternative], tt: Sequence[float], m: int, rho: float, most: int
+) -> list[Alternative]:
+    """The prefix of ``options`` (highest worth first) that maximises rho * E[tokens added]
+    minus the verification time it adds to a pass of m positions; at most ``most``, and only
+    as far as ``tt`` prices (T_T(m) for m < len(tt))."""
+    best_n, best, gain = 0, 0.0, 0.0
+    for n, alt in enumerate(options[:most], 1):
+        if m + n >= len(tt):
+            break
+        gain += rho * alt.worth
+        if gain - (tt[m + n] - tt[m]) > best:
+            best_n, best = n, gain - (tt[m + n] - tt[m])
+    return list(options[:best_n])
+
+
+class _Recording:
+    """The drafter as `throughput` drafts with it, keeping each chain position's distribution
+    (the draft's work is unchanged: the same forwards, the same draws)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self._drafter = drafter
+        self.dists: list[torch.Tensor] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._drafter, name)
+
+    def begin(self, committed: list[int]) -> torch.Tensor:
+        self.dists = [self._drafter.begin(committed)]
+        return self.dists[-1]
+
+    def extend(self, token: int) -> torch.Tensor:
+        self.dists.append(self._drafter.extend(token))
+        return self.dists[-1]
+
+
+@dataclass
+class ChainOrTreePolicy(ThroughputPolicy):
+    max_alternatives: int = 4
+    runner_up: float = 0.6
+    name = "chain-or-tree"
+    summary = (
+        "ours: throughput's chain, with the draft's runner-up tokens added beside it where "
+        "their modelled worth beats their verification (T = 0)"
+    )
+    knobs = (
+        *ThroughputPolicy.knobs,
+        Knob(
+            "max_alternatives",
+            int,
+            4,
+            0,
+            12,
+            help="most runner-up tokens added beside the chain per step (0: throughput's "
+            "chain; the pass never verifies more than max_k + 1 positions)",
+        ),
+        Knob(
+            "runner_up",
+            float,
+            0.6,
+            0.0,
+            1.0,
+            help="P(the draft's runner-up is the target's token | its top token is not) "
+            "before this generation's own runner-ups are judged (measured 0.53-0.74 with "
+            "the 1-layer draft)",
+        ),
+    )
+    # (position, share used, accepted) of every runner-up the walk judged this generation.
+    judged: list[tuple[int, float, bool]] = field(default_factory=list, init=False)
+
+    def reset(self) -> None:
+        super().reset()
+        self._chain = Candidates()
+        self._added: list[Alternative] = []
+        self._added_nodes: dict[int, Alternative] = {}  # candidate index -> the leaf there
+        self.judged = []
+
+    def share(self) -> float:
+        """s: the knob as SHARE_PRIOR judged runner-ups, plus this generation's."""
+        hits = sum(hit for *_, hit in self.judged)
+        return (SHARE_PRIOR * self.runner_up + hits) / (SHARE_PRIOR + len(self.judged))
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        recording = _Recording(drafter)
+        chain = super().propose(recording, committed)  # type: ignore[arg-type]
+        self._chain, self._added, self._added_nodes = chain, [], {}
+        if not drafter.sampling.greedy or not recording.dists or self.max_alternatives == 0:
+            return chain
+        self._used = self.share()
+        options = alternatives(chain.tokens, recording.dists, self._predicted, self._used)
+        self._added = best_alternatives(
+            options, self._tt, len(chain) + 1, self._rate(), self.max_alternatives
+        )
+        if not self._added:
+            return chain
+        tree = Candidates(
+            list(chain.tokens), list(chain.parents), list(chain.q), list(chain.confidences)
+        )
+        for alt in sorted(self._added, key=lambda a: a.position):
+            self._added_nodes[len(tree.tokens)] = alt
+            tree.tokens.append(alt.token)
+            tree.parents.append(alt.position - 1)  # the chain node before it (-1: the root)
+            tree.q.append(None)
+            tree.confidences.append(alt.worth)
+        return tree
+
+    def update(self, outcome: StepOutcome) -> None:
+        k = len(self._chain)
+        path = outcome.accepted_nodes or tuple(range(outcome.accepted))
+        chain_accepted = sum(1 for node in path if node < k)
+        # The runner-up at the position where the walk stopped on the chain was judged when
+        # the top token there was rejected: the chain's, or at a declined position the top
+        # leaf (judged only if verified); it was accepted when the path ends on it.
+        end = self._added_nodes.get(path[-1]) if len(path) > chain_accepted else None
+        tops = {alt.position for alt in self._added if not alt.runner_up}
+        if chain_accepted < k or chain_accepted in tops:
+            for alt in self._added:
+                if alt.runner_up and alt.position == chain_accepted and (end is None or end is alt):
+                    self.judged.append((alt.position, self._used, end is alt))
+        # `throughput` learns from its chain alone: an accepted runner-up is a rejection of the
+        # chain's token at that position.
+        super().update(
+            StepOutcome(self._chain, chain_accepted, outcome.record, path[:chain_accepted])
+        )
