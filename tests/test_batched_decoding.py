@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.decode.batched import BatchedEngine
+from pipeline.decode.batching import MAX_TARGET_WAIT
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import load_artifacts
 from pipeline.decode.policies.registry import POLICIES, make_policy
@@ -123,6 +124,29 @@ def test_every_policy_in_a_batch_decodes_plain_greedy(name, embedded):
         assert all(pair.spec.top_k <= u <= pair.spec.num_experts for u in r.union)
     assert engine.batcher.caches["target"].free == sorted(engine.batcher.caches["target"].free)
     assert len(engine.batcher.caches["target"].free) == engine.batcher.caches["target"].rows
+
+
+def test_a_deep_tree_does_not_hold_a_shallow_generation_to_its_depth(embedded):
+    """A tree of 40 levels beside a one-token chain: the chain's verification waits for at most
+    MAX_TARGET_WAIT of the tree's draft forwards, not for all 40 (41 in a row without the
+    cap), and both texts stay greedy."""
+    pair, _ = embedded
+    ids = [pair.tokenizer.encode(p) for p in PROMPTS[:2]]
+    deep = make_policy("tree", depth=40, branch=2, gamma=8)
+    engine = BatchedEngine(pair)
+    got = engine.generate_many(
+        ids, None, 12, max_batch=2, stop_at_eos=False, policies=[deep, make_policy("fixed", k=1)]
+    )
+    assert [g.tokens for g in got] == _plain_greedy(pair, ids, 12)
+    runs, run = [], 0  # consecutive draft forwards between two target forwards
+    for record in engine.batcher.records:
+        if record.side == "draft":
+            run += 1
+        else:
+            runs.append(run)
+            run = 0
+    # Beside the waits: the chain's own draft forward, and the one running when it asked.
+    assert max(runs) <= MAX_TARGET_WAIT + 2, runs
 
 
 def _one_batch(engine: BatchedEngine, jobs: list, n: int, sampling, max_batch: int) -> list:

@@ -4,7 +4,9 @@ Every generation in the batch runs its own decode loop (engine, policy, acceptan
 code as at batch 1) on its own thread. Where that code would call a model, it submits the
 tokens to the batcher and waits. Once every generation in the batch is waiting, the batcher
 runs ONE forward for them all: the draft's if any of them waits on the draft (so that a
-generation still drafting catches up and all verify together), else the target's. Each
+generation still drafting catches up and all verify together), else the target's; but a
+generation waiting to verify waits for at most MAX_TARGET_WAIT draft forwards, so that one
+generation's deep tree cannot hold every other one's steps to its depth. Each
 generation's tokens sit in its own block of a shared slot cache (pipeline.models.slots), so
 generations join and leave at any step, and each keeps its own draft length, acceptance and
 cache length. A target forward's record (positions, the union of experts over every
@@ -27,6 +29,11 @@ from pipeline.models.routing import RoutingCapture
 from pipeline.models.slots import SlotCache, segmented_attention
 from pipeline.models.timing import timed
 
+# Draft forwards a verification waits for before the target runs for it anyway: above every
+# usual draft length (chains <= 12, trees a few levels), far below the deepest tree the step
+# limits allow (52 levels), whose every level would otherwise delay the others' steps.
+MAX_TARGET_WAIT = 16
+
 
 @dataclass(eq=False)
 class ForwardRequest:
@@ -45,6 +52,7 @@ class ForwardRequest:
     hidden: torch.Tensor | None = None
     experts: torch.Tensor | None = None  # [n, layers, top_k] when ``routing``
     t_ms: float = 0.0  # the packed forward's time
+    passed: int = 0  # forwards of the other side run while this one waited
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -160,9 +168,11 @@ class ForwardBatcher:
             )
             if not ready:
                 return False
-            side = "draft" if any(r.side == "draft" for r in self._pending) else "target"
+            side = self._next_side()
             batch = [r for r in self._pending if r.side == side]
             self._pending = [r for r in self._pending if r.side != side]
+            for req in self._pending:
+                req.passed += 1
         self.forward_began = time.monotonic()
         gap_ms = (self.forward_began - self._last_end) * 1e3
         try:
@@ -176,6 +186,13 @@ class ForwardBatcher:
             for req in batch:
                 req.done.set()
         return True
+
+    def _next_side(self) -> str:
+        """The draft while any generation drafts, unless a verification has waited
+        MAX_TARGET_WAIT draft forwards."""
+        starved = any(r.side == "target" and r.passed >= MAX_TARGET_WAIT for r in self._pending)
+        drafting = any(r.side == "draft" for r in self._pending)
+        return "draft" if drafting and not starved else "target"
 
     @torch.no_grad()
     def _run(self, side: str, batch: list[ForwardRequest], gap_ms: float) -> None:
