@@ -11,6 +11,9 @@ With --trees RULE the draft's trees (RULE: eagle2[:b=BRANCH,d=DEPTH]) are built 
 same texts and the target's probability of every node taken at the temperature: the ceilings
 of a policy that may verify a tree of k = 1 .. --max-k nodes instead of a chain, and of one
 that may take either at every state (pipeline/acceptance/tree_ceiling.py), beside the chains'.
+At T > 0 it also prints how often one of i = 1 .. 4 candidates for a position is accepted,
+drawn from the draft and verified by recursive rejection sampling, or the draft's top-i
+(pipeline/acceptance/sampled_candidates.py): what multi-draft trees could buy.
 
     python -m jobs.acceptance_ceiling                                   # the embedded pair
     python -m jobs.acceptance_ceiling --draft models/draft-2layer --artifacts models/draft-2layer
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float], Ceiling]:
         )
     if args.trees is not None:
         print("\n" + study.tree_table(args.max_k))
+        if study.candidates:
+            print("\n" + study.candidates_table())
     with tracked_run("acceptance_ceiling", params={k: str(v) for k, v in vars(args).items()}) as t:
         t.log_metrics(study.metrics())
     return study.results

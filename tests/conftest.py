@@ -76,3 +76,25 @@ def checkpoints(tmp_path_factory, tokenizer) -> TinyCheckpoints:
     target = save_checkpoint(root / "target", tiny_model("qwen3_moe", vocab_size=vocab), tokenizer)
     draft = save_checkpoint(root / "draft", tiny_draft(vocab), tokenizer)
     return TinyCheckpoints(root, target, draft, tokenizer)
+
+
+# The embedded models and their committed artifacts, for the policy tests that run them.
+@pytest.fixture(scope="module")
+def embedded_pair():
+    from pipeline.models.loading import load_pair
+
+    return load_pair()
+
+
+@pytest.fixture(scope="module")
+def embedded_artifacts():
+    from pipeline.decode.policies.artifacts import load_artifacts
+
+    return load_artifacts()
+
+
+@pytest.fixture(scope="module")
+def fib_ids(embedded_pair) -> list[int]:
+    """A code prompt the embedded draft continues well (its chains are long)."""
+    text = "def fib(n):\n    if n < 2:\n"
+    return embedded_pair.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -53,7 +53,7 @@ def test_the_ceiling_never_loses_to_fixed_and_gains_little_at_constant_acceptanc
 
 
 @pytest.mark.slow
-def test_ceiling_job_end_to_end(tmp_path):
+def test_ceiling_job_end_to_end(tmp_path, capsys):
     from jobs.acceptance_ceiling import main
 
     traces = tmp_path / "t.npz"
@@ -82,6 +82,20 @@ def test_ceiling_job_end_to_end(tmp_path):
         assert r.tree.chain == pytest.approx(r.clairvoyant)
         assert r.tree.best_fixed == pytest.approx(r.fixed[r.best_k])
         assert r.tree.chain_or_tree <= min(r.tree.chain, r.tree.tree) + 1e-9
+    # At T = 1 only: one position's acceptance with 1 .. 4 candidates, each kind per domain,
+    # then the chains-or-leaves ceilings, never below the chains' (more actions).
+    first, leaves = capsys.readouterr().out.split("one position's acceptance")[1].split("\n\n")[:2]
+    domains = ("code", "prose", "math")
+    rows = [line.split() for line in first.splitlines() if line.startswith(domains)]
+    assert len(rows) == 6 and all(row[1] == "1" for row in rows)
+    for row in rows:
+        values = [float(v) for v in row[-4:]]
+        assert values == sorted(values) and values[0] >= 0.0 and values[-1] <= 1.0
+    rows = [line.split() for line in leaves.splitlines() if line.startswith(domains)]
+    assert len(rows) == 3
+    for row in rows:
+        chains, *widths = (float(v.rstrip("x")) for v in row[2:6])
+        assert len(widths) == 3 and min(widths) >= chains - 1e-9
     again = main(args)  # read back from the saved traces (their texts too)
     assert {k: r.clairvoyant for k, r in again.items()} == pytest.approx(
         {k: r.clairvoyant for k, r in results.items()}

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pipeline.decode.engine import SpeculativeEngine
-from pipeline.decode.policies.artifacts import load_artifacts
 from pipeline.decode.policies.chain_or_tree import (
     SHARE_PRIOR,
     Alternative,
@@ -20,22 +19,6 @@ from pipeline.decode.policies.chain_or_tree import (
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.step_limits import StepLimits
 from pipeline.decode.types import Candidates, SamplingConfig, StepOutcome, StepRecord
-from pipeline.models.loading import load_pair
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return load_pair()
-
-
-@pytest.fixture(scope="module")
-def artifacts():
-    return load_artifacts()
-
-
-@pytest.fixture(scope="module")
-def ids(pair):
-    return pair.tokenizer("def fib(n):\n    if n < 2:\n", add_special_tokens=False)["input_ids"]
 
 
 def _dist(*pairs: tuple[int, float], vocab: int = 8) -> torch.Tensor:
@@ -80,18 +63,20 @@ def test_the_step_adds_the_prefix_of_best_worth_within_the_priced_table():
     assert best_alternatives(steep, [0.0, 10.0, 11.0, 11.1], 1, 4.0, 4) == steep
 
 
-def _greedy(pair, ids, n: int) -> list[int]:
-    return SpeculativeEngine(pair).generate(ids, make_policy("ar"), n).tokens
+def _greedy(embedded_pair, fib_ids, n: int) -> list[int]:
+    return SpeculativeEngine(embedded_pair).generate(fib_ids, make_policy("ar"), n).tokens
 
 
-def test_runner_ups_are_verified_and_the_text_stays_greedy(pair, ids, artifacts):
+def test_runner_ups_are_verified_and_the_text_stays_greedy(
+    embedded_pair, fib_ids, embedded_artifacts
+):
     """With a runner-up share of 1 every step that drafts adds runner-ups up to the knob; some
     walks end on one, and the text is still the target's greedy text."""
-    policy = make_policy("chain-or-tree", artifacts, runner_up=1.0, max_alternatives=2)
+    policy = make_policy("chain-or-tree", embedded_artifacts, runner_up=1.0, max_alternatives=2)
     limits = StepLimits(
         *[getattr(policy.step_work(), f) for f in ("draft_forwards", "draft_tokens", "verified")]
     )
-    session = SpeculativeEngine(pair, limits).start(ids, policy)
+    session = SpeculativeEngine(embedded_pair, limits).start(fib_ids, policy)
     trees = 0
     while len(session.generated) < 48:
         cands, t_draft = session.draft()
@@ -99,7 +84,7 @@ def test_runner_ups_are_verified_and_the_text_stays_greedy(pair, ids, artifacts)
         logits, routing, t_verify = session.verify(cands)
         session.commit(cands, logits, routing, t_draft, t_verify)
     assert trees, "no step verified a runner-up"
-    assert session.generated[:48] == _greedy(pair, ids, 48)
+    assert session.generated[:48] == _greedy(embedded_pair, fib_ids, 48)
     assert max(s.verified for s in session.steps) <= policy.step_work().verified
     assert any(hit for *_, hit in policy.judged), "no runner-up was ever accepted"
     # The share follows the judged ones from its prior.
@@ -109,12 +94,16 @@ def test_runner_ups_are_verified_and_the_text_stays_greedy(pair, ids, artifacts)
     )
 
 
-def test_at_t1_and_with_no_alternatives_it_is_throughput(pair, ids, artifacts):
+def test_at_t1_and_with_no_alternatives_it_is_throughput(
+    embedded_pair, fib_ids, embedded_artifacts
+):
     for temperature, knobs in ((1.0, {"runner_up": 1.0}), (0.0, {"max_alternatives": 0})):
-        ours = make_policy("chain-or-tree", artifacts, **knobs)
-        plain = make_policy("throughput", artifacts)
+        ours = make_policy("chain-or-tree", embedded_artifacts, **knobs)
+        plain = make_policy("throughput", embedded_artifacts)
         runs = [
-            SpeculativeEngine(pair).generate(ids, p, 32, SamplingConfig(temperature), seed=3)
+            SpeculativeEngine(embedded_pair).generate(
+                fib_ids, p, 32, SamplingConfig(temperature), seed=3
+            )
             for p in (ours, plain)
         ]
         assert runs[0].tokens == runs[1].tokens
@@ -122,11 +111,11 @@ def test_at_t1_and_with_no_alternatives_it_is_throughput(pair, ids, artifacts):
         assert all(s.verified == s.drafted + 1 for s in runs[0].steps)  # chains only
 
 
-def test_an_accepted_runner_up_is_a_rejection_of_the_chain_s_token(artifacts):
+def test_an_accepted_runner_up_is_a_rejection_of_the_chain_s_token(embedded_artifacts):
     """`throughput` underneath updates from the chain alone: a walk that ends on the runner-up
     at position 1 leaves it where a chain accepted up to position 1 would."""
-    ours = make_policy("chain-or-tree", artifacts)
-    plain = make_policy("throughput", artifacts)
+    ours = make_policy("chain-or-tree", embedded_artifacts)
+    plain = make_policy("throughput", embedded_artifacts)
     chain = Candidates()
     for token in (3, 5, 7):
         chain.extend_chain(token, _dist((token, 0.9)), greedy=True)

@@ -74,14 +74,20 @@ def test_profile_routing_job_end_to_end(tmp_path):
     assert runs[0].data.metrics["unique_experts_w1"] == profile["top_k"]
 
 
-def test_profile_routing_job_reports_bad_input_without_traceback(tmp_path):
-    proc = _run(
-        ["jobs.profile_routing", "--target", str(tmp_path / "missing")], tmp_path, check=False
-    )
-    assert proc.returncode == 2
-    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _run(["jobs.profile_routing", "--limit", "0"], tmp_path, check=False)
-    assert proc.returncode == 2 and "--limit" in proc.stderr
+def test_profile_routing_job_reports_bad_input_without_traceback(tmp_path, capsys):
+    # What `python -m jobs.profile_routing` runs (jobs.cli.run over main), in this process.
+    from jobs.cli import run
+    from jobs.profile_routing import main
+
+    cases = [
+        (["--target", str(tmp_path / "missing")], "does not exist"),
+        (["--limit", "0"], "--limit"),
+    ]
+    for argv, why in cases:
+        with pytest.raises(SystemExit) as exit_:
+            run(lambda argv=argv: main(argv))
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and why in err and "Traceback" not in err, err[-500:]
 
 
 @pytest.mark.slow
@@ -334,7 +340,7 @@ def test_every_job_that_loads_models_takes_the_experts_implementation(job, requi
     assert args.experts_implementation == "grouped_mm"
 
 
-def test_policy_specs_parse_names_and_knobs():
+def test_policy_specs_parse_names_and_knobs(capsys):
     from jobs.cli import parse_policy_specs
 
     specs = "ar, fixed:k=2,throughput:max_k=8:rate=3.5,marginal:calibrate=true"
@@ -347,8 +353,12 @@ def test_policy_specs_parse_names_and_knobs():
     for bad in ("", "fixed:k", "fixed:=2"):
         with pytest.raises(ValueError):
             parse_policy_specs(bad)
-    proc = _run(["jobs.bench_online", "--policies", "fixed:k=0"], REPO_ROOT, check=False)
-    assert proc.returncode == 2 and "--policies: fixed: k must be >= 1, got 0" in proc.stderr
+    from jobs.bench_online import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--policies", "fixed:k=0"])
+    assert exit_.value.code == 2
+    assert "--policies: fixed: k must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_second_draft_never_replaces_the_target_or_an_unrelated_directory(tmp_path, capsys):
@@ -445,13 +455,19 @@ def test_bench_tree_smoke(tmp_path):
     assert metrics["chain-or-eagle2-b2_k4"] >= metrics["chain_k4"] - 1e-9
 
 
-def test_tree_arguments_are_checked_before_anything_loads():
-    for job, argv, why in [
-        ("jobs.bench_tree", ["--policies", "fixed:k=2"], "fixed is not a tree policy"),
-        ("jobs.bench_tree", ["--rules", "beam"], "the selection must be one of"),
-        ("jobs.bench_tree", ["--policies", "tree:gamma=1"], "gamma must be >= 2"),
-        ("jobs.extract", ["--trees", "eagle2:q=1"], "unknown knob"),
-        ("jobs.extract", ["--trees", "eagle2,eagle2:b=2"], "given twice"),
+def test_tree_arguments_are_checked_before_anything_loads(capsys):
+    # parse_args is all a job runs before it loads anything: exit 2 there, with the reason.
+    from jobs.bench_tree import parse_args as bench_tree_args
+    from jobs.extract import parse_args as extract_args
+
+    for parse, argv, why in [
+        (bench_tree_args, ["--policies", "fixed:k=2"], "fixed is not a tree policy"),
+        (bench_tree_args, ["--rules", "beam"], "the selection must be one of"),
+        (bench_tree_args, ["--policies", "tree:gamma=1"], "gamma must be >= 2"),
+        (extract_args, ["--trees", "eagle2:q=1"], "unknown knob"),
+        (extract_args, ["--trees", "eagle2,eagle2:b=2"], "given twice"),
     ]:
-        proc = _run([job, *argv], REPO_ROOT, check=False)
-        assert proc.returncode == 2 and why in proc.stderr, (argv, proc.stderr[-500:])
+        with pytest.raises(SystemExit) as exit_:
+            parse(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and why in err, (argv, err[-500:])

@@ -11,11 +11,12 @@ a pass of m positions (acceptance.json) and L the context at that point of the t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.acceptance.ceiling import Ceiling, ceiling
 from pipeline.acceptance.model import AcceptanceModel
+from pipeline.acceptance.sampled_candidates import SampledCandidates, sampled_candidates_study
 from pipeline.acceptance.traces import (
     AcceptanceTrace,
     collect_traces,
@@ -41,12 +42,15 @@ class CeilingSettings:
     fixed: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
     trees: TreeRule | None = None  # an eagle2 rule: the tree ceilings too
     traces: Path | None = None  # an .npz to save the traces to, or to read when it exists
+    candidates: int = 4  # with trees at T > 0: up to this many sampled candidates a position
 
 
 @dataclass
 class CeilingStudy:
     results: dict[tuple[str, float], Ceiling]  # (domain, temperature) -> its ceilings
     trees: TreeRule | None
+    # (domain, T > 0) -> what several candidates for a position buy there.
+    candidates: dict[tuple[str, float], SampledCandidates] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -57,6 +61,13 @@ class CeilingStudy:
             if res.tree is not None:
                 for kind, gain in res.tree.over_best_fixed().items():
                     out[f"{name}_T{temp:g}_{kind}_over_best_fixed"] = gain
+        for (name, temp), cands in self.candidates.items():
+            for i, (a, b) in enumerate(zip(cands.sampled, cands.top, strict=True), 1):
+                out[f"{name}_T{temp:g}_sampled{i}_acceptance"] = a
+                out[f"{name}_T{temp:g}_top{i}_acceptance"] = b
+            for width, ceil in cands.leaves.items():
+                gain = ceil.over_best_fixed()["chain_or_tree"]
+                out[f"{name}_T{temp:g}_chain_or_leaves{width}_over_best_fixed"] = gain
         return out
 
     def tree_table(self, max_k: int) -> str:
@@ -74,6 +85,37 @@ class CeilingStudy:
                 f"{name:6s}  {temp:<4g} {gains['chain']:>6.3f}x {gains['tree']:>6.3f}x "
                 f"{gains['chain_or_tree']:>13.3f}x"
             )
+        return "\n".join(lines)
+
+    def candidates_table(self) -> str:
+        """One position's acceptance with i candidates, drawn from q (recursive rejection
+        sampling) or the draft's top-i, and the ceilings of chains with sampled leaves beside
+        every token (empty without trees at T > 0)."""
+        if not self.candidates:
+            return ""
+        first = next(iter(self.candidates.values()))
+        head = " ".join(f"{'i=' + str(i):>6s}" for i in range(1, len(first.sampled) + 1))
+        widths = " ".join(f"{'w=' + str(w):>7s}" for w in first.leaves)
+        lines = [
+            "one position's acceptance with i candidates (mean over the texts' positions)",
+            f"domain  T    candidates    {head}",
+        ]
+        for (name, temp), cands in self.candidates.items():
+            for kind, values in (("drawn from q", cands.sampled), ("draft's top-i", cands.top)):
+                cells = " ".join(f"{v:>6.3f}" for v in values)
+                lines.append(f"{name:6s}  {temp:<4g} {kind:13s} {cells}")
+        lines += [
+            "",
+            "over the best fixed K: chains, or chains with w - 1 sampled leaves beside every",
+            "token (no draft forward; recursive rejection sampling), whichever is cheaper",
+            f"domain  T    chains {widths}  (modelled)",
+        ]
+        for (name, temp), cands in self.candidates.items():
+            chains = self.results[(name, temp)].gain_over_best_fixed
+            cells = " ".join(
+                f"{c.over_best_fixed()['chain_or_tree']:>6.3f}x" for c in cands.leaves.values()
+            )
+            lines.append(f"{name:6s}  {temp:<4g} {chains:>5.3f}x {cells}")
         return "\n".join(lines)
 
 
@@ -108,6 +150,7 @@ def ceiling_study(
     traces = _traces(pair, flat, settings, log)
     ids_of = {p.prompt_id: prompt_ids(pair, p) for p in flat}
     results: dict[tuple[str, float], Ceiling] = {}
+    candidates: dict[tuple[str, float], SampledCandidates] = {}
     log("\ndomain  T    best fixed K  ceiling over best fixed  ceiling over ar  (modelled)")
     for temp in settings.temperatures:
         for name, chosen in prompts.items():
@@ -137,7 +180,16 @@ def ceiling_study(
                     settings.max_k,
                     list(settings.fixed),
                 )
-    return CeilingStudy(results, settings.trees)
+                if temp > 0:
+                    candidates[(name, temp)] = sampled_candidates_study(
+                        pair,
+                        texts,
+                        SamplingConfig(temperature=temp),
+                        settings.candidates,
+                        settings.max_k,
+                        list(settings.fixed),
+                    )
+    return CeilingStudy(results, settings.trees, candidates)
 
 
 def _traces(

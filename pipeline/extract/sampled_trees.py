@@ -121,7 +121,7 @@ def _with_probabilities(
         for i, off in zip(range(start, stop), offsets, strict=True):
             tree_parents, depth, toks = pending[i]
             rows = [
-                forced.target_logits[i].float() if par < 0 else logits[off + par]
+                forced.target_logits[i].float() if par < 0 else logits[off + par].float()
                 for par in tree_parents
             ]
             p = node_probability(torch.stack(rows), toks, sampling) if rows else []

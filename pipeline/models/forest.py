@@ -25,13 +25,15 @@ def forest_forward(
     root_context: list[int],
     spec: MoESpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the target's logits after each node [nodes, vocab] in float32, its routing of each node
-    [nodes, layers, top_k] when ``spec`` is given, else None)."""
+    """(the target's logits after each node [nodes, vocab] in its dtype, its routing of each
+    node [nodes, layers, top_k] when ``spec`` is given, else None). The logits stay in the
+    model's dtype: a routing-only caller (junk tails) never reads them, and on a bf16 target a
+    float32 copy of [nodes, vocab] would be wasted."""
     device = next(target.parameters()).device
     base_len = cache.get_seq_length()
     if not len(tokens):
         routing = None if spec is None else torch.zeros(0, spec.num_moe_layers, spec.top_k)
-        return torch.zeros(0, target.config.vocab_size), routing
+        return torch.zeros(0, target.config.vocab_size, dtype=target.dtype), routing
     mask, positions = tree_attention_inputs(
         parents, base_len, target.dtype, device, root_context=root_context
     )
@@ -40,10 +42,10 @@ def forest_forward(
     try:
         if spec is None:
             out = target(ids, past_key_values=cache, use_cache=True, **kwargs)
-            return out.logits[0].float(), None
+            return out.logits[0], None
         with RoutingCapture(target, spec) as capture:
             out = target(ids, past_key_values=cache, use_cache=True, **kwargs)
             routing = capture.take(1, ids.shape[1])[0]
-        return out.logits[0].float(), routing
+        return out.logits[0], routing
     finally:
         crop_to(cache, base_len)
