@@ -94,11 +94,9 @@ def test_runner_ups_are_verified_and_the_text_stays_greedy(
     )
 
 
-def test_at_t1_and_with_no_alternatives_it_is_throughput(
-    embedded_pair, fib_ids, embedded_artifacts
-):
-    for temperature, knobs in ((1.0, {"runner_up": 1.0}), (0.0, {"max_alternatives": 0})):
-        ours = make_policy("chain-or-tree", embedded_artifacts, **knobs)
+def test_with_no_alternatives_it_is_throughput(embedded_pair, fib_ids, embedded_artifacts):
+    for temperature in (0.0, 1.0):
+        ours = make_policy("chain-or-tree", embedded_artifacts, max_alternatives=0)
         plain = make_policy("throughput", embedded_artifacts)
         runs = [
             SpeculativeEngine(embedded_pair).generate(
@@ -109,6 +107,36 @@ def test_at_t1_and_with_no_alternatives_it_is_throughput(
         assert runs[0].tokens == runs[1].tokens
         assert [s.drafted for s in runs[0].steps] == [s.drafted for s in runs[1].steps]
         assert all(s.verified == s.drafted + 1 for s in runs[0].steps)  # chains only
+
+
+def test_at_t1_its_leaves_are_further_draws_chosen_before_the_chain_token_is_drawn(
+    embedded_pair, fib_ids, embedded_artifacts
+):
+    """Every leaf is a draw from the distribution its position's chain token was drawn from,
+    stands beside it (or at a declined position) and is verified by recursive rejection; a
+    second draw's share of 1 makes every one worth its position, up to the knob and the pass's
+    limit. (Its output distribution: the registry-wide exact and chi-square tests.)"""
+    policy = make_policy("chain-or-tree", embedded_artifacts, second_draw=1.0, max_alternatives=3)
+    seen, steps = [], 0
+    session = SpeculativeEngine(embedded_pair).start(fib_ids, policy, SamplingConfig(1.0), seed=5)
+    while steps < 12:
+        steps += 1
+        cands, _ = session.draft()
+        k = len(policy._chain)
+        leaves = list(range(k, len(cands)))
+        assert len(leaves) <= 3 and len(cands) + 1 <= policy.max_k + 1
+        for node in leaves:
+            alt = policy._added_nodes[node]
+            # Beside chain token `position` (same parent), drawn from the same distribution.
+            assert cands.parents[node] == alt.position - 1
+            assert cands.q[node] is not None
+            if alt.position < k:
+                assert cands.q[node] is cands.q[alt.position]
+        seen.append(len(leaves))
+        logits, routing, t_verify = session.verify(cands)
+        session.commit(cands, logits, routing, 0.0, t_verify)
+    assert sum(seen) > 0
+    assert any(hit for *_, hit in policy.judged) and any(not hit for *_, hit in policy.judged)
 
 
 def test_an_accepted_runner_up_is_a_rejection_of_the_chain_s_token(embedded_artifacts):

@@ -34,6 +34,7 @@ from pipeline.decode.batching import BatchRecord
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.chain_or_tree import ChainOrTreePolicy
 from pipeline.decode.policies.registry import POLICIES, make_policy
 from pipeline.decode.types import Candidates, SamplingConfig
 from pipeline.models.loading import ModelPair
@@ -134,6 +135,33 @@ def test_every_policy_samples_the_target_distribution_exactly(name, pair, artifa
     err, tv, got = _check(pair, _policy(name, artifacts), SAMPLING, joint)
     assert err < TOLERANCE, (name, err, tv, got.paths)
     assert MUST_PROPOSE.get(name, set()) <= set(got.proposal_sizes), (name, got.proposal_sizes)
+
+
+TREES_SEEN: list[bool] = []
+
+
+class _ChainOrTreeSeen(ChainOrTreePolicy):
+    """chain-or-tree, noting whether each proposal was a tree (copies share the list)."""
+
+    def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
+        cands = super().propose(drafter, committed)
+        TREES_SEEN.append(not cands.is_chain)
+        return cands
+
+
+def test_chain_or_tree_with_drawn_leaves_samples_the_target_distribution_exactly(
+    pair, artifacts, joint
+):
+    """At T > 0 its leaves are further draws beside the chain's tokens, verified with them by
+    recursive rejection sampling; worth their positions here (second_draw 1), so most steps
+    verify a tree."""
+    knobs = {"max_k": 3, "probe_every": 1, "rate": 1.5, "second_draw": 1.0}
+    base = make_policy("chain-or-tree", artifacts, **knobs)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    TREES_SEEN.clear()
+    err, tv, got = _check(pair, _ChainOrTreeSeen(**fields), SAMPLING, joint)
+    assert err < TOLERANCE, (err, tv, got.paths)
+    assert any(TREES_SEEN) and not all(TREES_SEEN), TREES_SEEN
 
 
 @pytest.mark.parametrize(("name", "top_p"), [("fixed", 0.8), ("tree", 0.8), ("marginal", 0.8)])

@@ -3,7 +3,10 @@
 * greedy (temperature 0): follow the child whose token is the target's argmax, then emit the
   argmax as the bonus token; the output equals plain greedy decoding;
 * sampling, chain drafted by sampling from q: accept x with probability min(1, p(x)/q(x)),
-  else emit a sample of norm(max(p - q, 0)) (speculative sampling);
+  else emit a sample of norm(max(p - q, 0)) (speculative sampling); several children each
+  drawn from its q (siblings drawn from one distribution): try them in order, accepting x with
+  min(1, r(x)/q(x)), r starting as p and becoming norm(max(r - q, 0)) after each rejection;
+  if none is accepted emit a sample of r (recursive rejection sampling, SpecInfer);
 * sampling, candidates chosen deterministically (a top-b tree): try the children in order,
   accepting x with probability r(x) where r starts as p and loses each rejected token's mass
   (renormalised); if none is accepted emit a sample of r (the multi-candidate rule of
@@ -40,14 +43,17 @@ def accept(
             nxt = next((c for c in kids if cands.tokens[c] == choice), None)
             if nxt is None:
                 return [*tokens, choice], accepted
-        elif kids and len(kids) == 1 and cands.q[kids[0]] is not None:
-            c = kids[0]
-            x, q = cands.tokens[c], cands.q[c].to(p.device)
-            if rng.bernoulli(min(1.0, float(p[x] / q[x]))):
-                nxt = c
-            else:
-                residual = (p - q).clamp_min(0)
-                residual = residual / residual.sum() if residual.sum() > 0 else p
+        elif kids and all(cands.q[c] is not None for c in kids):
+            # Recursive rejection sampling; with one child, speculative sampling.
+            residual, nxt = p, None
+            for c in kids:
+                x, q = cands.tokens[c], cands.q[c].to(p.device)
+                if rng.bernoulli(min(1.0, float(residual[x] / q[x]))):
+                    nxt = c
+                    break
+                left = (residual - q).clamp_min(0)
+                residual = left / left.sum() if left.sum() > 0 else residual
+            if nxt is None:
                 return [*tokens, rng.categorical(residual)], accepted
         else:
             residual = p.clone()

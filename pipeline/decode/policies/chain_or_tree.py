@@ -19,10 +19,13 @@ probability that maximise rho * sum P - [T_T(m + n) - T_T(m)], rho the rate `thr
 already prices tokens at; n = 0 keeps the chain. The tree is verified with the engine's tree
 mask, as `tree` is.
 
-Only at T = 0: at T > 0 the engine verifies a node with siblings by the multi-candidate rule,
-which would accept the chain's sampled token with p(x) instead of min(1, p(x) / q(x)), and the
-ceiling shows deterministic trees cannot lift T = 1 (docs/online.md); there the policy is
-`throughput`.
+At T > 0 the draft's top tokens carry little of the target's p, so the leaves are further
+draws from the distribution the chain token at that position was drawn from, verified with it
+by recursive rejection sampling (pipeline.decode.acceptance): a draw beside position j is
+accepted with prod_{i<j} a_i * (1 - a_j) * s, s now the chance that a second draw is accepted
+where the first was not (measured 0.28-0.31 on held-out prompts: the ``second_draw`` knob,
+then this generation's judged draws). The leaves are chosen by their worth before they are
+drawn, never after, which keeps sampling lossless.
 """
 
 from __future__ import annotations
@@ -51,16 +54,22 @@ class Alternative:
 
 
 def alternatives(
-    chain: Sequence[int], dists: Sequence[torch.Tensor], accs: Sequence[float], share: float
+    chain: Sequence[int],
+    dists: Sequence[torch.Tensor],
+    accs: Sequence[float],
+    share: float,
+    greedy: bool = True,
 ) -> list[Alternative]:
     """The leaves a step may add beside its chain, highest worth first: the draft's best other
     token at every chain position, and where `throughput` looked at one more position and
     declined it (``dists`` one longer than the chain), that position's top two. ``accs[j]``:
     P(the top token at position j is accepted | the chain before it is), as modelled when
-    drafted; ``share``: P(the runner-up is the target's token | the top one is not)."""
+    drafted; ``share``: P(the runner-up is the target's token | the top one is not). Not
+    ``greedy``: the same places and worths for draws still to be made (token -1; ``share``
+    the second draw's chance where the first was rejected)."""
     out, prefix = [], 1.0
     for j, (probs, a) in enumerate(zip(dists, accs, strict=True)):
-        top = torch.topk(probs, 2).indices.tolist()
+        top = torch.topk(probs, 2).indices.tolist() if greedy else [-1, -1]
         if j == len(chain):  # the declined position: both its top tokens, as leaves
             out.append(Alternative(j, top[0], prefix * a, runner_up=False))
             out.append(Alternative(j, top[1], prefix * (1.0 - a) * share))
@@ -89,11 +98,18 @@ def best_alternatives(
 
 class _Recording:
     """The drafter as `throughput` drafts with it, keeping each chain position's distribution
-    (the draft's work is unchanged: the same forwards, the same draws)."""
+    (the draft's work is unchanged: the same forwards, the same draws). ``before_draw`` is
+    told of each draw of a chain token before it is made (position, distribution)."""
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, before_draw=None) -> None:
         self._drafter = drafter
         self.dists: list[torch.Tensor] = []
+        self._before_draw = before_draw
+
+    def sample(self, probs: torch.Tensor) -> int:
+        if self._before_draw is not None:
+            self._before_draw(len(self.dists) - 1, probs)
+        return self._drafter.sample(probs)
 
     def __getattr__(self, name: str):
         return getattr(self._drafter, name)
@@ -111,10 +127,11 @@ class _Recording:
 class ChainOrTreePolicy(ThroughputPolicy):
     max_alternatives: int = 4
     runner_up: float = 0.6
+    second_draw: float = 0.3
     name = "chain-or-tree"
     summary = (
-        "ours: throughput's chain, with the draft's runner-up tokens added beside it where "
-        "their modelled worth beats their verification (T = 0)"
+        "ours: throughput's chain, with the draft's runner-up tokens (T = 0) or further draws "
+        "(T > 0) added beside it where their modelled worth beats their verification"
     )
     knobs = (
         *ThroughputPolicy.knobs,
@@ -137,6 +154,15 @@ class ChainOrTreePolicy(ThroughputPolicy):
             "before this generation's own runner-ups are judged (measured 0.53-0.74 with "
             "the 1-layer draft)",
         ),
+        Knob(
+            "second_draw",
+            float,
+            0.3,
+            0.0,
+            1.0,
+            help="at T > 0, P(a second draw from the draft is accepted | the first is not) "
+            "before this generation's own are judged (measured 0.28-0.31)",
+        ),
     )
     # (position, share used, accepted) of every runner-up the walk judged this generation.
     judged: list[tuple[int, float, bool]] = field(default_factory=list, init=False)
@@ -146,36 +172,101 @@ class ChainOrTreePolicy(ThroughputPolicy):
         self._chain = Candidates()
         self._added: list[Alternative] = []
         self._added_nodes: dict[int, Alternative] = {}  # candidate index -> the leaf there
+        self._drawn: list[tuple[Alternative, torch.Tensor]] = []  # T > 0: this step's leaves
         self.judged = []
 
-    def share(self) -> float:
-        """s: the knob as SHARE_PRIOR judged runner-ups, plus this generation's."""
+    def share(self, greedy: bool = True) -> float:
+        """s: the mode's knob as SHARE_PRIOR judged leaves, plus this generation's."""
         hits = sum(hit for *_, hit in self.judged)
-        return (SHARE_PRIOR * self.runner_up + hits) / (SHARE_PRIOR + len(self.judged))
+        prior = self.runner_up if greedy else self.second_draw
+        return (SHARE_PRIOR * prior + hits) / (SHARE_PRIOR + len(self.judged))
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
-        recording = _Recording(drafter)
+        greedy = drafter.sampling.greedy
+        self._used = self.share(greedy)
+        self._drawn = []
+
+        def hook(position: int, probs: torch.Tensor) -> None:
+            self._draw_beside(drafter, position, probs)
+
+        recording = _Recording(drafter, None if greedy or self.max_alternatives == 0 else hook)
         chain = super().propose(recording, committed)  # type: ignore[arg-type]
         self._chain, self._added, self._added_nodes = chain, [], {}
-        if not drafter.sampling.greedy or not recording.dists or self.max_alternatives == 0:
+        if not recording.dists or self.max_alternatives == 0:
             return chain
-        self._used = self.share()
-        options = alternatives(chain.tokens, recording.dists, self._predicted, self._used)
-        self._added = best_alternatives(
-            options, self._tt, len(chain) + 1, self._rate(), self.max_alternatives
-        )
-        if not self._added:
+        dists = recording.dists
+        if greedy:
+            options = alternatives(chain.tokens, dists, self._predicted, self._used)
+            chosen = best_alternatives(
+                options, self._tt, len(chain) + 1, self._rate(), self.max_alternatives
+            )
+            leaves = [(alt, None) for alt in chosen]
+        else:
+            leaves = self._drawn + self._draw_declined(drafter, len(chain), dists)
+        if not leaves:
             return chain
         tree = Candidates(
             list(chain.tokens), list(chain.parents), list(chain.q), list(chain.confidences)
         )
-        for alt in sorted(self._added, key=lambda a: a.position):
+        # A position's first draw before its second (the order recursive rejection tries).
+        for alt, q in sorted(leaves, key=lambda leaf: (leaf[0].position, leaf[0].runner_up)):
+            self._added.append(alt)
             self._added_nodes[len(tree.tokens)] = alt
             tree.tokens.append(alt.token)
             tree.parents.append(alt.position - 1)  # the chain node before it (-1: the root)
-            tree.q.append(None)
+            tree.q.append(q)
             tree.confidences.append(alt.worth)
         return tree
+
+    def _room(self) -> int:
+        # At T > 0 a drawn leaf takes a position of the pass the chain could have had.
+        return super()._room() - len(self._drawn)
+
+    # -- T > 0: a leaf beside a chain token is chosen before that token is drawn, so that
+    # how many siblings a node has never depends on what they are (recursive rejection
+    # sampling is lossless for a number of draws fixed before them).
+    def _draw_beside(self, drafter: Drafter, position: int, probs: torch.Tensor) -> None:
+        """Before the chain's draw at ``position``: a second draw there, if its worth at the
+        generation's rate beats one more verified position."""
+        accs = self._predicted
+        prefix = 1.0
+        for a in accs[:position]:
+            prefix *= a
+        worth = prefix * (1.0 - accs[position]) * self._used
+        self._maybe_draw(drafter, position, probs, worth, position + 2)
+
+    def _draw_declined(self, drafter: Drafter, k: int, dists: list[torch.Tensor]) -> list:
+        """Where `throughput` declined a position it had looked at: up to two draws there."""
+        if len(dists) == k:
+            return []
+        prefix = 1.0
+        for a in self._predicted[:k]:
+            prefix *= a
+        a = self._predicted[k]
+        before = len(self._drawn)
+        if self._maybe_draw(drafter, k, dists[k], prefix * a, k + 1, second=False):
+            self._maybe_draw(drafter, k, dists[k], prefix * (1.0 - a) * self._used, k + 1)
+        return self._drawn[before:]
+
+    def _maybe_draw(
+        self,
+        drafter: Drafter,
+        position: int,
+        probs: torch.Tensor,
+        worth: float,
+        chain_m: int,
+        second: bool = True,
+    ) -> bool:
+        """Draw a leaf at ``position`` if rho x ``worth`` beats the position it adds to a pass
+        of ``chain_m`` chain positions (the root included) and the leaves drawn so far."""
+        m = chain_m + len(self._drawn)
+        if len(self._drawn) >= self.max_alternatives or m + 1 >= len(self._tt):
+            return False
+        if self._rate() * worth <= self._tt[m + 1] - self._tt[m]:
+            return False
+        token = drafter.sample(probs)
+        self._drawn.append((Alternative(position, token, worth, runner_up=second), probs))
+        return True
 
     def update(self, outcome: StepOutcome) -> None:
         k = len(self._chain)

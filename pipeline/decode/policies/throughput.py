@@ -21,15 +21,14 @@ and the generation's recent acceptance. The draft's raw confidence understates g
 acceptance; this model is calibrated on what the target actually did, and ``adapt`` corrects
 its logit online from the generation's own outcomes (a domain it under- or overrates).
 
-Decisions cost no draft forward of their own. Drafting the next token is decided once its
-distribution is known (its forward already ran: the `current` model); running the forward for
-the token after it is decided before that forward, from the `next` model. Before any forward
-the step decides whether to look at all, from recent acceptance and how acceptance spreads
-around it (a look that then drafts nothing is the one forward a decision can waste); when it
-does not, the step is a plain one (speculation off), and every ``probe_every`` plain steps one
-step drafts anyway so that recent acceptance keeps being measured. Decisions are made before
-sampling, or after a token is drawn about tokens after it, never about the drawn token
-itself, which keeps sampling lossless.
+Decisions cost no draft forward of their own: drafting the next token is decided once its
+distribution is known (the `current` model); running the forward for the token after it,
+before that forward (the `next` model). Before any forward the step decides whether to look
+at all, from recent acceptance and its spread (a look that drafts nothing wastes a forward);
+if not, the step is plain (speculation off), and every ``probe_every`` plain steps one drafts
+anyway so that recent acceptance keeps being measured. Decisions are made before sampling,
+or after a token is drawn about tokens after it, never about the drawn token itself, which
+keeps sampling lossless.
 """
 
 from __future__ import annotations
@@ -48,10 +47,9 @@ from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
 DEFAULT_MAX_K = AcceptanceChainPolicy.DEFAULT_MAX_K
-# The rate is a slow average: a few lucky or unlucky steps must not swing it (the realized
-# cost per token over 3-4 steps is far noisier than the optimum it estimates). It starts from
-# the optimum of a chain whose every token is accepted at the model's training mean, worth
-# PRIOR_TOKENS tokens, and forgets by RATE_DECAY per step.
+# The rate is a slow average (the realized cost per token over 3-4 steps is far noisier than
+# the optimum it estimates): it starts from the optimum of a chain accepted at the model's
+# training mean, worth PRIOR_TOKENS tokens, and forgets by RATE_DECAY per step.
 RATE_DECAY = 0.95
 PRIOR_TOKENS = 16.0
 MAX_OFFSET = 3.0  # the online logit correction stays within this
@@ -128,9 +126,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     def reset(self) -> None:
         self._recent: float | None = None  # moving average of acceptance outcomes
         self._price_sum: float | None = None  # decayed sums of step prices and new tokens
-        self._token_sum = 0.0
-        self._plain_run = 0
-        self._ctx = 0
+        self._token_sum, self._plain_run, self._ctx = 0.0, 0, 0
         self._observed_upto = -1  # the last text position whose draft outcome is counted
         self._catchup: list[bool] = []  # outcomes seen in this step's catch-up (greedy)
         self._prior = 0.0  # the mode's training mean, set by propose
@@ -143,13 +139,16 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         self.decisions = []
 
     def step_work(self) -> StepWork:
-        assert self.max_k is not None
         k = self.max_k
+        assert k is not None
         # Catch-up: the last drafting step's tokens (<= k + 1) and up to probe_every plain
         # steps' after it; then k - 1 extends.
         return StepWork(
             k, 2 * k + self.probe_every, k + 1, f"max_k {k}, probe_every {self.probe_every}"
         )
+
+    def _room(self) -> int:  # chain tokens this step may draft (a subclass keeps room)
+        return self.max_k  # type: ignore[return-value]
 
     # -- pricing -------------------------------------------------------------------------
     def _t_target(self, m: int) -> float:
@@ -201,12 +200,11 @@ class ThroughputPolicy(AcceptanceChainPolicy):
 
     # -- the step ------------------------------------------------------------------------
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
-        assert self.max_k is not None
         mode: ModeModel = self.acceptance.mode(drafter.sampling.greedy)
         self._prior = mode.prior
         recent = mode.prior if self._recent is None else self._recent
         self._ctx = len(committed)
-        rho, k_max = self._rate(), self.max_k
+        rho = self._rate()
         self.prices.refresh()
         self._td, self._tt = self.prices.td, self.prices.tt
         cands = Candidates()
@@ -222,11 +220,12 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         self._index.extend(committed[len(self._index.tokens) :])
         tail = committed[-(MAX_MATCH - 1) :]
         greedy = drafter.sampling.greedy
-        for j in range(k_max):
+        for j in range(self._room()):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
             stats, top = position_view(probs, self._index, tail)
-            a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
+            room = self._room() - j - 1  # chain tokens after this one the pass has room for
+            a_now, later = mode.chain_view(stats, recent, state, room, decay, self._offset)
             self._predicted.append(a_now)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not plan_pays(
@@ -241,6 +240,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             p_chain *= a_now
             # Later tokens count only if this one is accepted: their features see it so.
             recent = decay * recent + (1 - decay)
+            later = later[: self._room() - j - 1]  # (a subclass may have taken room meanwhile)
             if not later or not plan_pays(
                 self._td, self._tt, rho, p_chain, later, j + 2, j + 1, first_free=False
             ):
