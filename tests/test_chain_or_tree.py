@@ -113,10 +113,10 @@ def test_at_t1_its_leaves_are_further_draws_chosen_before_the_chain_token_is_dra
     embedded_pair, fib_ids, embedded_artifacts
 ):
     """Every leaf is a draw from the distribution its position's chain token was drawn from,
-    stands beside it (or at a declined position) and is verified by recursive rejection; a
+    stands beside it and is verified by recursive rejection; a
     second draw's share of 1 makes every one worth its position, up to the knob and the pass's
     limit. (Its output distribution: the registry-wide exact and chi-square tests.)"""
-    policy = make_policy("chain-or-tree", embedded_artifacts, second_draw=1.0, max_alternatives=3)
+    policy = make_policy("chain-or-tree", embedded_artifacts, second_draw=1.0, max_alternatives=12)
     seen, steps = [], 0
     session = SpeculativeEngine(embedded_pair).start(fib_ids, policy, SamplingConfig(1.0), seed=5)
     while steps < 12:
@@ -124,14 +124,15 @@ def test_at_t1_its_leaves_are_further_draws_chosen_before_the_chain_token_is_dra
         cands, _ = session.draft()
         k = len(policy._chain)
         leaves = list(range(k, len(cands)))
-        assert len(leaves) <= 3 and len(cands) + 1 <= policy.max_k + 1
+        assert len(leaves) <= 12 and len(cands) + 1 <= policy.max_k + 1
         for node in leaves:
             alt = policy._added_nodes[node]
             # Beside chain token `position` (same parent), drawn from the same distribution.
             assert cands.parents[node] == alt.position - 1
             assert cands.q[node] is not None
-            if alt.position < k:
-                assert cands.q[node] is cands.q[alt.position]
+            assert alt.position < k and cands.q[node] is cands.q[alt.position]
+        # Each leaf is its own draw (a leaf listed twice would waste a verified position).
+        assert len({id(policy._added_nodes[node]) for node in leaves}) == len(leaves)
         seen.append(len(leaves))
         logits, routing, t_verify = session.verify(cands)
         session.commit(cands, logits, routing, 0.0, t_verify)

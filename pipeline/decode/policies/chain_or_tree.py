@@ -54,22 +54,16 @@ class Alternative:
 
 
 def alternatives(
-    chain: Sequence[int],
-    dists: Sequence[torch.Tensor],
-    accs: Sequence[float],
-    share: float,
-    greedy: bool = True,
+    chain: Sequence[int], dists: Sequence[torch.Tensor], accs: Sequence[float], share: float
 ) -> list[Alternative]:
     """The leaves a step may add beside its chain, highest worth first: the draft's best other
     token at every chain position, and where `throughput` looked at one more position and
     declined it (``dists`` one longer than the chain), that position's top two. ``accs[j]``:
     P(the top token at position j is accepted | the chain before it is), as modelled when
-    drafted; ``share``: P(the runner-up is the target's token | the top one is not). Not
-    ``greedy``: the same places and worths for draws still to be made (token -1; ``share``
-    the second draw's chance where the first was rejected)."""
+    drafted; ``share``: P(the runner-up is the target's token | the top one is not)."""
     out, prefix = [], 1.0
     for j, (probs, a) in enumerate(zip(dists, accs, strict=True)):
-        top = torch.topk(probs, 2).indices.tolist() if greedy else [-1, -1]
+        top = torch.topk(probs, 2).indices.tolist()
         if j == len(chain):  # the declined position: both its top tokens, as leaves
             out.append(Alternative(j, top[0], prefix * a, runner_up=False))
             out.append(Alternative(j, top[1], prefix * (1.0 - a) * share))
@@ -201,8 +195,9 @@ class ChainOrTreePolicy(ThroughputPolicy):
                 options, self._tt, len(chain) + 1, self._rate(), self.max_alternatives
             )
             leaves = [(alt, None) for alt in chosen]
-        else:
-            leaves = self._drawn + self._draw_declined(drafter, len(chain), dists)
+        else:  # drawn before the chain tokens beside them (a declined position's first
+            # draw would be worth what `throughput` just found not to pay)
+            leaves = list(self._drawn)
         if not leaves:
             return chain
         tree = Candidates(
@@ -235,19 +230,6 @@ class ChainOrTreePolicy(ThroughputPolicy):
         worth = prefix * (1.0 - accs[position]) * self._used
         self._maybe_draw(drafter, position, probs, worth, position + 2)
 
-    def _draw_declined(self, drafter: Drafter, k: int, dists: list[torch.Tensor]) -> list:
-        """Where `throughput` declined a position it had looked at: up to two draws there."""
-        if len(dists) == k:
-            return []
-        prefix = 1.0
-        for a in self._predicted[:k]:
-            prefix *= a
-        a = self._predicted[k]
-        before = len(self._drawn)
-        if self._maybe_draw(drafter, k, dists[k], prefix * a, k + 1, second=False):
-            self._maybe_draw(drafter, k, dists[k], prefix * (1.0 - a) * self._used, k + 1)
-        return self._drawn[before:]
-
     def _maybe_draw(
         self,
         drafter: Drafter,
@@ -255,7 +237,6 @@ class ChainOrTreePolicy(ThroughputPolicy):
         probs: torch.Tensor,
         worth: float,
         chain_m: int,
-        second: bool = True,
     ) -> bool:
         """Draw a leaf at ``position`` if rho x ``worth`` beats the position it adds to a pass
         of ``chain_m`` chain positions (the root included) and the leaves drawn so far."""
@@ -265,7 +246,7 @@ class ChainOrTreePolicy(ThroughputPolicy):
         if self._rate() * worth <= self._tt[m + 1] - self._tt[m]:
             return False
         token = drafter.sample(probs)
-        self._drawn.append((Alternative(position, token, worth, runner_up=second), probs))
+        self._drawn.append((Alternative(position, token, worth), probs))
         return True
 
     def update(self, outcome: StepOutcome) -> None:
