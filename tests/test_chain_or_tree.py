@@ -153,7 +153,7 @@ def test_an_accepted_runner_up_is_a_rejection_of_the_chain_s_token(embedded_arti
     )
     record = StepRecord(4, 5, 2, 3, [4, 4], 1.0, 10.0, 3, 3)
     for policy in (ours, plain):
-        policy._predicted = [0.9, 0.8, 0.7]
+        policy.outcomes.predicted = [0.9, 0.8, 0.7]
         policy._ctx = 20
     alt = Alternative(1, 9, 0.1)
     ours._chain, ours._added, ours._added_nodes, ours._used = chain, [alt], {3: alt}, 0.6
@@ -167,5 +167,7 @@ def test_an_accepted_runner_up_is_a_rejection_of_the_chain_s_token(embedded_arti
     assert ours.judged == [(1, 0.6, True), (1, 0.6, False)]
     plain.update(StepOutcome(chain, 1, record, (0,)))
     plain.update(StepOutcome(chain, 2, record, (0, 1)))
-    for attr in ("_recent", "_offset", "_observed_upto", "_plain_run", "_price_sum"):
+    for attr in ("recent", "offset", "_observed_upto"):
+        assert getattr(ours.outcomes, attr) == getattr(plain.outcomes, attr), attr
+    for attr in ("_plain_run", "_price_sum"):
         assert getattr(ours, attr) == getattr(plain, attr), attr

@@ -170,7 +170,7 @@ def _replayed_offset(steps, bias: float, adapt: float) -> float:
     adapt * (outcome - P(accept)), P(accept) = sigmoid(bias + offset) for every token of a
     step (the constant model), the offset clipped to +-MAX_OFFSET after each step."""
     from pipeline.acceptance.features import logistic
-    from pipeline.decode.policies.throughput import MAX_OFFSET
+    from pipeline.decode.policies.outcomes import MAX_OFFSET
 
     offset = 0.0
     for s in steps:
@@ -192,12 +192,14 @@ def test_online_correction_moves_the_logit_towards_the_outcomes(
 
     off = policy(0.0)
     _run(embedded_pair, fib_ids, off, 6)
-    assert off._offset == 0.0
+    assert off.outcomes.offset == 0.0
     mixed = policy(0.5)
     session = _run(embedded_pair, fib_ids, mixed, 6)
     assert sum(s.drafted for s in session.steps) > 0
-    assert mixed._offset == pytest.approx(_replayed_offset(session.steps, 1.4, 0.5), abs=1e-12)
-    assert abs(mixed._offset) <= 3.0
+    assert mixed.outcomes.offset == pytest.approx(
+        _replayed_offset(session.steps, 1.4, 0.5), abs=1e-12
+    )
+    assert abs(mixed.outcomes.offset) <= 3.0
     # Outcomes known in advance fix the sign: outcome - predicted is > 0 for every accepted
     # token and < 0 for every rejected one, predicted being in (0, 1). The target drafting for
     # itself has every judged token accepted: the offset rises. A draft whose argmax is never
@@ -212,8 +214,10 @@ def test_online_correction_moves_the_logit_towards_the_outcomes(
             assert hits > 0 and misses == 0, judged
         else:
             assert misses > 0 and hits == 0, judged
-        assert correction._offset * sign > 0, (sign, correction._offset, judged)
-        assert correction._offset == pytest.approx(_replayed_offset(steps, 1.4, 0.5), abs=1e-12)
+        assert correction.outcomes.offset * sign > 0, (sign, correction.outcomes.offset, judged)
+        assert correction.outcomes.offset == pytest.approx(
+            _replayed_offset(steps, 1.4, 0.5), abs=1e-12
+        )
 
 
 def test_retiming_scales_each_side_by_measured_over_modelled(embedded_artifacts):

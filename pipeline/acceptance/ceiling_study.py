@@ -12,11 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from pipeline.acceptance.ceiling import Ceiling, ceiling
 from pipeline.acceptance.model import AcceptanceModel
-from pipeline.acceptance.sampled_candidates import SampledCandidates, sampled_candidates_study
+from pipeline.acceptance.sampled_candidates import (
+    SampledCandidates,
+    candidates_of,
+    sampled_candidates_study,
+)
 from pipeline.acceptance.traces import (
     AcceptanceTrace,
     collect_traces,
@@ -29,6 +34,7 @@ from pipeline.cost.model import CostModel
 from pipeline.data.prompts import Prompt
 from pipeline.decode.types import SamplingConfig
 from pipeline.extract.draft_trees import TreeRule
+from pipeline.extract.teacher_forced import TeacherForced
 from pipeline.models.loading import ModelPair
 
 Log = Callable[[str], None]
@@ -172,24 +178,37 @@ def ceiling_study(
             )
             if settings.trees is not None:
                 texts = [_tree_text(t, ids_of, cost, acceptance, settings) for t in mine]
+                sampling = SamplingConfig(temperature=temp)
+                firsts: list = []  # T > 0: each text's candidates, off the trees' own pass
                 res.tree = texts_tree_ceiling(
                     pair,
                     texts,
-                    SamplingConfig(temperature=temp),
+                    sampling,
                     settings.trees,
                     settings.max_k,
                     list(settings.fixed),
+                    each_forced=(
+                        partial(_keep_candidates, firsts, sampling, settings.candidates)
+                        if temp > 0
+                        else None
+                    ),
                 )
                 if temp > 0:
                     candidates[(name, temp)] = sampled_candidates_study(
                         pair,
                         texts,
-                        SamplingConfig(temperature=temp),
+                        sampling,
                         settings.candidates,
                         settings.max_k,
                         list(settings.fixed),
+                        firsts=firsts,
                     )
     return CeilingStudy(results, settings.trees, candidates)
+
+
+def _keep_candidates(firsts: list, sampling: SamplingConfig, k: int, forced: TeacherForced) -> None:
+    """One text's candidates (sampled, top-i), off the tree ceiling's teacher-forced pass."""
+    firsts.append(candidates_of(forced, sampling, k))
 
 
 def _traces(

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from pipeline.acceptance.tree_ceiling import TreeCeiling, TreeStepCost, text_costs, tree_ceiling
-from pipeline.data.references import ReferenceSequence
 from pipeline.decode.types import SamplingConfig
-from pipeline.extract.teacher_forced import teacher_forced
+from pipeline.extract.sampled_trees import forced_along
+from pipeline.extract.teacher_forced import TeacherForced
 from pipeline.models.loading import ModelPair
 
 
@@ -84,10 +84,15 @@ def candidates_along(
     """(sampled, top-k) first-level acceptance [len(tokens), k] at every state of
     ``prompt_ids + tokens`` (the text the target sampled at ``sampling``): p and q are the
     target's and the draft's teacher-forced distributions at that temperature and top-p."""
+    return candidates_of(forced_along(pair, prompt_ids, tokens), sampling, k)
+
+
+def candidates_of(
+    forced: TeacherForced, sampling: SamplingConfig, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """candidates_along from the text's teacher-forced pass."""
     if sampling.greedy:
         raise ValueError("sampled candidates are a T > 0 study: at T = 0 the draft drafts argmaxes")
-    ref = ReferenceSequence("text", "", "sampled", tuple(prompt_ids), tuple(tokens))
-    forced = teacher_forced(pair, ref)
     p = sampling.probs(forced.target_logits.float())
     q = sampling.probs(forced.draft_logits.float())
     return sampled_acceptance(p, q, k), top_k_acceptance(p, q, k)
@@ -139,13 +144,18 @@ def sampled_candidates_study(
     k: int,
     k_max: int,
     fixed_ks: Sequence[int],
+    firsts: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> SampledCandidates:
     """``texts`` as the tree ceiling takes them: (prompt ids, the text the target sampled at
-    ``sampling``, its chain acceptances, its step cost); leaf widths 2 .. k."""
-    firsts = [
-        candidates_along(pair, list(ids), [int(t) for t in tokens], sampling, k)
-        for ids, tokens, *_ in texts
-    ]
+    ``sampling``, its chain acceptances, its step cost); leaf widths 2 .. k. ``firsts``: each
+    text's candidates_of, if the caller has them (off texts_tree_ceiling's own passes)."""
+    if firsts is None:
+        firsts = [
+            candidates_along(pair, list(ids), [int(t) for t in toks], sampling, k)
+            for ids, toks, *_ in texts
+        ]
+    if len(firsts) != len(texts) or any(s.shape[1] != k for s, _ in firsts):
+        raise ValueError(f"firsts: one (sampled, top) pair of width {k} per text")
     rows = sum(s.shape[0] for s, _ in firsts)
     sampled = (sum(s.sum(0) for s, _ in firsts) / rows).tolist()
     top = (sum(t.sum(0) for _, t in firsts) / rows).tolist()

@@ -31,7 +31,8 @@ import numpy as np
 
 from pipeline.decode.types import SamplingConfig
 from pipeline.extract.draft_trees import TreeRule
-from pipeline.extract.sampled_trees import sampled_trees
+from pipeline.extract.sampled_trees import forced_along, sampled_trees
+from pipeline.extract.teacher_forced import TeacherForced
 from pipeline.models.loading import ModelPair
 
 # step(forwards, m, t): the modelled cost at text position t of a step that runs ``forwards``
@@ -173,13 +174,20 @@ def texts_tree_ceiling(
     rule: TreeRule,
     k_max: int,
     fixed_ks: Sequence[int],
+    each_forced: Callable[[TeacherForced], None] | None = None,
 ) -> TreeCeiling:
     """The ceilings of a group of texts, each (prompt ids, the text the target sampled at
     ``sampling``, its chain acceptances a_t, its step cost); trees of ``rule`` up to k_max
-    nodes built along each text (pipeline.extract.sampled_trees)."""
+    nodes built along each text (pipeline.extract.sampled_trees). ``each_forced`` gets each
+    text's teacher-forced pass, in order (another study of the same texts reads it too)."""
     per_text = []
     for ids, tokens, acc, step in texts:
-        trees = sampled_trees(pair, list(ids), [int(t) for t in tokens], sampling, rule, k_max)
+        forced = forced_along(pair, list(ids), [int(t) for t in tokens])
+        if each_forced is not None:
+            each_forced(forced)
+        trees = sampled_trees(
+            pair, list(ids), [int(t) for t in tokens], sampling, rule, k_max, forced=forced
+        )
         rows = [(s.parents, s.p, s.depth) for s in trees]
         per_text.append(text_costs(acc, rows, step, k_max, fixed_ks))
     return tree_ceiling(per_text)

@@ -57,17 +57,19 @@ def sampled_trees(
     rule: TreeRule,
     k_max: int,
     chunk_nodes: int = 1024,
+    forced: TeacherForced | None = None,
 ) -> list[StateTree]:
     """Every state's tree of ``rule``'s first ``k_max`` nodes along ``prompt_ids + tokens``
-    (states 0 .. len(tokens) - 1), with the target's node probabilities."""
+    (states 0 .. len(tokens) - 1), with the target's node probabilities. ``forced``: both
+    models' teacher-forced pass over that text, if the caller has it already (forced_along)."""
     if pair.draft_is_head:
         raise ValueError("the tree ceiling builds trees with a draft model; a head takes none")
     if rule.selection != "eagle2":
         raise ValueError(f"tree rule {rule.name}: the tree ceiling takes eagle2 rules")
     if k_max < 1 or not tokens or len(prompt_ids) < 1:
         raise ValueError("the tree ceiling needs k_max >= 1, a prompt and a text")
-    ref = ReferenceSequence("text", "", "sampled", tuple(prompt_ids), tuple(tokens))
-    forced = teacher_forced(pair, ref)
+    if forced is None:
+        forced = forced_along(pair, prompt_ids, tokens)
     n, p_len = len(tokens), len(prompt_ids)
     levels = rule.levels(k_max)
     step = max(1, chunk_nodes // (rule.branch * max(1, levels - 1)))
@@ -89,6 +91,13 @@ def sampled_trees(
             depth = [exp.level[node] + 1 for node in nodes]
             pending.append((parents, depth, [exp.tokens[node] for node in nodes]))
     return _with_probabilities(pair, forced, pending, p_len, sampling, chunk_nodes)
+
+
+def forced_along(pair: ModelPair, prompt_ids: list[int], tokens: list[int]) -> TeacherForced:
+    """Both models teacher-forced over ``prompt_ids + tokens``."""
+    return teacher_forced(
+        pair, ReferenceSequence("text", "", "sampled", tuple(prompt_ids), tuple(tokens))
+    )
 
 
 def _with_probabilities(

@@ -32,13 +32,13 @@ def propose(self, drafter, committed):  # ThroughputPolicy.propose, timed part b
     t = time.perf_counter()
     mode = self.acceptance.mode(drafter.sampling.greedy)
     self._prior = mode.prior
-    recent = mode.prior if self._recent is None else self._recent
+    recent = self.outcomes.recent_or(mode.prior)
     self._ctx = len(committed)
     rho, k_max = self._rate(), self.max_k
     self.prices.refresh()
     self._td, self._tt = self.prices.td, self.prices.tt
     cands = Candidates()
-    self._predicted = []
+    self.outcomes.predicted = []
     probe = self._plain_run >= self.probe_every
     t = tick("setup", t)
     if not probe and not self._look_pays(rho, mode, recent):
@@ -48,7 +48,7 @@ def propose(self, drafter, committed):  # ThroughputPolicy.propose, timed part b
     probs = drafter.begin(committed)
     t = tick("FORWARD begin", t)
     if drafter.sampling.greedy:
-        recent = self._observe_catchup(drafter, committed, cached, recent)
+        recent = self.outcomes.observe_catchup(drafter.logits, committed, cached, recent)
     t = tick("catch-up check", t)
     p_chain, decay = 1.0, self.acceptance.decay
     self._index.extend(committed[len(self._index.tokens) :])
@@ -59,7 +59,9 @@ def propose(self, drafter, committed):  # ThroughputPolicy.propose, timed part b
         stats, top = position_view(probs, self._index, tail)
         t = tick("statistics", t)
         state = drafter.hidden[-1]
-        a_now, later = mode.chain_view(stats, recent, state, k_max - j - 1, decay, self._offset)
+        a_now, later = mode.chain_view(
+            stats, recent, state, k_max - j - 1, decay, self.outcomes.offset
+        )
         t = tick("acceptance model", t)
         accs = [a_now, *later]
         if not (probe and j == 0) and not plan_pays(
@@ -69,7 +71,7 @@ def propose(self, drafter, committed):  # ThroughputPolicy.propose, timed part b
         t = tick("plan worth (this token)", t)
         token, conf = (top, stats[1]) if greedy else (drafter.sample(probs), None)
         cands.extend_chain(token, probs, greedy, conf)
-        self._predicted.append(a_now)
+        self.outcomes.predicted.append(a_now)
         p_chain *= a_now
         recent = decay * recent + (1 - decay)
         t = tick("draft the token", t)

@@ -190,7 +190,7 @@ class ChainOrTreePolicy(ThroughputPolicy):
             return chain
         dists = recording.dists
         if greedy:
-            options = alternatives(chain.tokens, dists, self._predicted, self._used)
+            options = alternatives(chain.tokens, dists, self.outcomes.predicted, self._used)
             chosen = best_alternatives(
                 options, self._tt, len(chain) + 1, self._rate(), self.max_alternatives
             )
@@ -223,7 +223,7 @@ class ChainOrTreePolicy(ThroughputPolicy):
     def _draw_beside(self, drafter: Drafter, position: int, probs: torch.Tensor) -> None:
         """Before the chain's draw at ``position``: a second draw there, if its worth at the
         generation's rate beats one more verified position."""
-        accs = self._predicted
+        accs = self.outcomes.predicted
         prefix = 1.0
         for a in accs[:position]:
             prefix *= a

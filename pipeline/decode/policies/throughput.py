@@ -41,6 +41,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import AcceptanceChainPolicy
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.outcomes import OutcomeTracker
 from pipeline.decode.policies.plan_worth import plan_pays, plan_worth
 from pipeline.decode.policies.prices import PriceTables
 from pipeline.decode.step_limits import StepWork
@@ -52,7 +53,6 @@ DEFAULT_MAX_K = AcceptanceChainPolicy.DEFAULT_MAX_K
 # training mean, worth PRIOR_TOKENS tokens, and forgets by RATE_DECAY per step.
 RATE_DECAY = 0.95
 PRIOR_TOKENS = 16.0
-MAX_OFFSET = 3.0  # the online logit correction stays within this
 
 
 @dataclass
@@ -124,17 +124,13 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     decisions: list[tuple[str, int, float]] = field(default_factory=list, init=False)
 
     def reset(self) -> None:
-        self._recent: float | None = None  # moving average of acceptance outcomes
+        self.outcomes = OutcomeTracker(self.acceptance.decay, self.adapt)
         self._price_sum: float | None = None  # decayed sums of step prices and new tokens
         self._token_sum, self._plain_run, self._ctx = 0.0, 0, 0
-        self._observed_upto = -1  # the last text position whose draft outcome is counted
-        self._catchup: list[bool] = []  # outcomes seen in this step's catch-up (greedy)
         self._prior = 0.0  # the mode's training mean, set by propose
-        self._offset = 0.0  # this generation's logit correction to the acceptance model
         assert self.max_k is not None
         self.prices = PriceTables(self.cost, self.acceptance.union, self.max_k, self.retime)
         self._td, self._tt = self.prices.td, self.prices.tt  # this step's tables
-        self._predicted: list[float] = []  # P(accept) of each position drafted or looked at
         self._index = NgramIndex()  # the committed text's n-grams, for the context match
         self.decisions = []
 
@@ -202,20 +198,21 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         mode: ModeModel = self.acceptance.mode(drafter.sampling.greedy)
         self._prior = mode.prior
-        recent = mode.prior if self._recent is None else self._recent
+        recent = self.outcomes.recent_or(mode.prior)
         self._ctx = len(committed)
         rho = self._rate()
         self.prices.refresh()
         self._td, self._tt = self.prices.td, self.prices.tt
         cands = Candidates()
-        self._predicted = []
+        self.outcomes.predicted = []
         probe = self._plain_run >= self.probe_every
         if not probe and not self._look_pays(rho, mode, recent):
             return cands  # speculation off for this step: no draft forward at all
         cached = drafter.cached()
         probs = drafter.begin(committed)
         if drafter.sampling.greedy:
-            recent = self._observe_catchup(drafter, committed, cached, recent)
+            assert drafter.logits is not None
+            recent = self.outcomes.observe_catchup(drafter.logits, committed, cached, recent)
         p_chain, decay = 1.0, self.acceptance.decay
         self._index.extend(committed[len(self._index.tokens) :])
         tail = committed[-(MAX_MATCH - 1) :]
@@ -225,8 +222,8 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             # This token, and the ones after it, each given the ones before it accepted.
             stats, top = position_view(probs, self._index, tail)
             room = self._room() - j - 1  # chain tokens after this one the pass has room for
-            a_now, later = mode.chain_view(stats, recent, state, room, decay, self._offset)
-            self._predicted.append(a_now)
+            a_now, later = mode.chain_view(stats, recent, state, room, decay, self.outcomes.offset)
+            self.outcomes.predicted.append(a_now)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not plan_pays(
                 self._td, self._tt, rho, p_chain, [a_now, *later], j + 1, j + 1, first_free=True
@@ -249,48 +246,12 @@ class ThroughputPolicy(AcceptanceChainPolicy):
             probs = drafter.extend(token)
         return cands
 
-    def _observe_catchup(
-        self, drafter: Drafter, committed: list[int], cached: int, recent: float
-    ) -> float:
-        """At T = 0 the catch-up forward shows, for free, whether the draft's argmax matched
-        the committed text at positions no drafted token was judged on (after plain steps):
-        outcomes for recent acceptance, which plain steps would otherwise leave frozen."""
-        assert drafter.logits is not None
-        # Row r predicts position cached + r + 1; rows up to the last judged position add
-        # nothing (after a drafting step that is all of them: no argmax to run).
-        first = max(0, self._observed_upto - cached)
-        self._catchup = []
-        if first < drafter.logits.shape[0] - 1:
-            rows = drafter.logits[first:-1].argmax(-1).tolist()
-            self._catchup = [tok == committed[cached + first + r + 1] for r, tok in enumerate(rows)]
-        decay = self.acceptance.decay
-        for hit in self._catchup:
-            recent = decay * recent + (1 - decay) * float(hit)
-        return recent
-
     def update(self, outcome: StepOutcome) -> None:
         record = outcome.record
         drafted = len(outcome.candidates)
         # A look that drafted nothing yields no outcome: it counts towards the next probe.
         self._plain_run = 0 if drafted else self._plain_run + 1
-        if drafted or self._catchup:
-            decay = self.acceptance.decay
-            recent = self._prior if self._recent is None else self._recent
-            # The first `accepted` tokens were accepted, the next (if any) rejected; later ones
-            # were never judged.
-            judged = min(drafted, outcome.accepted + 1)
-            outcomes = self._catchup + [j < outcome.accepted for j in range(judged)]
-            for hit in outcomes:
-                recent = decay * recent + (1 - decay) * float(hit)
-            self._recent = recent
-            self._observed_upto = self._ctx + judged - 1
-            # Online recalibration: one gradient step of the log loss on the logit offset per
-            # judged token, so a domain the offline model under- or overrates is corrected
-            # within a few steps.
-            for j in range(judged):
-                self._offset += self.adapt * ((j < outcome.accepted) - self._predicted[j])
-            self._offset = max(-MAX_OFFSET, min(MAX_OFFSET, self._offset))
-            self._catchup = []
+        self.outcomes.observe_step(drafted, outcome.accepted, self._ctx, self._prior)
         price = self.prices.step_price(record, self._ctx, self.step_overhead_ms)
         self.achieved_rate()  # the prior sums, if this is the first step
         assert self._price_sum is not None
