@@ -16,6 +16,11 @@ summary per domain and temperature, pooled over the domains too: each policy's s
 ratio over the best fixed K of that domain and temperature in the same run, its share of the
 bound and whether its greedy text equals `ar`'s.
 
+--runs N repeats the whole bench N times (prompt j of run r draws with seed r x limit + j at
+T > 0) and ends with the figures pooled over the runs: each policy's tokens and seconds summed,
+its ratio over the best fixed K of those sums, each run's own ratio (lowest-highest) beside it.
+One run's best fixed K is the luckiest of several noisy rows; pooled, that bias shrinks.
+
 Before anything decodes, every policy must build and the cost model must price every step it
 may take (its largest m, from its knobs: a chain of max_k verifies max_k + 1). Each row is
 appended to OUT/rows.jsonl as soon as it is scored; a policy whose scoring fails is left out,
@@ -24,6 +29,7 @@ the others are reported, and the run ends naming it with a non-zero exit.
     python -m jobs.bench_online --limit 8 --max-new-tokens 64
     python -m jobs.bench_online --domains code,prose,math --limit 8 --max-new-tokens 64
     python -m jobs.bench_online --domains all --policies ar,fixed:k=2,fixed:k=4,throughput
+    python -m jobs.bench_online --domains all --runs 3 --no-bound --temperatures 1
     # the second pair (a 2-layer draft), its artifacts beside it
     python -m jobs.bench_online --draft models/draft-2layer --artifacts models/draft-2layer
     # the third: the EAGLE-3 head (no transformers assisted generation: it knows no head)
@@ -33,7 +39,7 @@ the others are reported, and the run ends naming it with a non-zero exit.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from jobs.cli import (
@@ -44,11 +50,12 @@ from jobs.cli import (
     run,
     torch_threads,
 )
-from pipeline.bench.domains import domain_metrics, domain_table, format_domain_summary
+from pipeline.bench.domains import domain_metrics
 from pipeline.bench.guard import ResultLog, raise_failures
 from pipeline.bench.online import run_online_bench
 from pipeline.bench.rows import BenchRow
-from pipeline.bench.scoring import format_online_bench
+from pipeline.bench.runs import repeat_bench
+from pipeline.bench.scoring import OnlineBenchResult, format_online_bench
 from pipeline.data.domains import DOMAINS, load_prompts
 from pipeline.data.prompts import encode
 from pipeline.decode.policies.artifacts import (
@@ -79,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "benched on its own with --limit prompts, then summarised per domain; replaces --source",
     )
     p.add_argument("--limit", type=int, default=8)
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="repeat the bench this many times, then summarise it pooled over the runs, "
+        "with each run's own ratio over the best fixed K beside it (3: the spread)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
     p.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR, help="expert predictor")
@@ -176,8 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--bound-at: temperatures among --temperatures, and not with --no-bound")
     if args.threads < 0:
         p.error("--threads must be >= 0 (0: torch's default)")
-    if args.limit < 1 or args.max_new_tokens < 1 or args.lmax < 1:
-        p.error("--limit, --max-new-tokens and --lmax must be >= 1")
+    if min(args.limit, args.max_new_tokens, args.lmax, args.runs) < 1:
+        p.error("--limit, --max-new-tokens, --lmax and --runs must be >= 1")
     if args.domains is not None:
         names = [d.strip().lower() for d in args.domains.split(",") if d.strip()]
         args.domains = list(DOMAINS) if names == ["all"] else names
@@ -197,14 +211,14 @@ def _bound_arg(args: argparse.Namespace) -> bool | list[float]:
 
 
 def _bench_source(
-    args: argparse.Namespace, pair, artifacts, name: str, source: str, log: ResultLog
-):
-    """One prompt source's bench, each row written to ``log`` as it is scored, the table
-    printed as it finishes."""
-    chosen = load_prompts(source, args.limit)
+    args: argparse.Namespace, pair, artifacts, log: ResultLog, name: str, run: int
+) -> OnlineBenchResult:
+    """One prompt source's (a domain's or --source's) bench in run ``run`` (from 0), each row
+    written to ``log`` as it is scored, the table printed as it finishes."""
+    chosen = load_prompts(name, args.limit)
     trained = set(artifacts.acceptance.meta.get("prompts", [])) if artifacts.acceptance else set()
     seen = sorted(p.prompt_id for p in chosen if p.prompt_id in trained)
-    if seen:
+    if seen and run == 0:
         print(
             f"[bench_online] warning: {name}: {len(seen)} prompts ({', '.join(seen[:4])}"
             f"{', ...' if len(seen) > 4 else ''}) are in the acceptance model's training set;"
@@ -212,6 +226,7 @@ def _bench_source(
             flush=True,
         )
     prompts = [encode(pair.tokenizer, p.text, keep_last=512) for p in chosen]
+    where = f"run {run + 1}/{args.runs}, " if args.runs > 1 else ""
     result = run_online_bench(
         pair,
         artifacts,
@@ -223,8 +238,9 @@ def _bench_source(
         policies=args.policies,
         assisted=False if args.no_assisted else None,
         bound=_bound_arg(args),
-        progress=lambda line: print(f"[bench_online] {name}: {line}", flush=True),
-        record=lambda result: log.write({"source": name, **result}),
+        progress=lambda line: print(f"[bench_online] {where}{name}: {line}", flush=True),
+        record=lambda result: log.write({"source": name, "run": run + 1, **result}),
+        first_seed=run * args.limit,
     )
     if args.domains:
         print(f"\n=== domain {name} ===")
@@ -244,33 +260,26 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     # Before any policy runs: the bound at --lmax prices m = 1 .. lmax + 1.
     artifacts.cost.require_m(range(1, args.lmax + 2), f"the bound at --lmax {args.lmax}")
     artifacts.check_pair(pair, allow_mismatch=args.allow_costmodel_mismatch)
-    sources = {d: d for d in args.domains} if args.domains else {args.source: args.source}
-    results = {}
+    sources = args.domains or [args.source]
     log = ResultLog(args.out / "rows.jsonl")
     with torch_threads(args.threads or None):
-        for name, source in sources.items():
-            results[name] = _bench_source(args, pair, artifacts, name, source, log)
-    metrics = {}
-    if args.domains:
-        table = domain_table(results)
-        print()
-        print(format_domain_summary(table))
-        metrics.update(domain_metrics(table))
-        for name, result in results.items():  # each domain's own bench metrics too
-            metrics.update({f"{name}_{k}": v for k, v in result.metrics().items()})
-    else:
-        metrics.update(results[args.source].metrics())
+        bench = repeat_bench(
+            partial(_bench_source, args, pair, artifacts, log),
+            sources,
+            args.runs,
+            lambda text: print(text, flush=True),
+            by_domain=bool(args.domains),
+        )
     params = {**vars(args), "policies": str(args.policies)}
     with tracked_run("bench_online", params=params) as mlrun:
-        mlrun.log_metrics(metrics)
+        for run_index in range(args.runs):  # one step per run
+            mlrun.log_metrics(bench.run_metrics(run_index, bool(args.domains)), step=run_index)
+        pooled = bench.pooled()
+        if pooled is not None:
+            mlrun.log_metrics({f"runs_{k}": v for k, v in domain_metrics(pooled).items()})
     print(f"\nrows written to {log.path}")
-    failures = [
-        replace(f, where=f"{name}, {f.where}") if args.domains else f
-        for name, result in results.items()
-        for f in result.failures
-    ]
-    raise_failures("bench_online", failures)  # after every other result is out
-    return [row for result in results.values() for row in result.rows]
+    raise_failures("bench_online", bench.failures(bool(args.domains)))  # after the rest is out
+    return bench.rows()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.bench.domains import ALL, domain_metrics, domain_table, format_domain_summary
 from pipeline.bench.rows import BenchRow
+from pipeline.bench.runs import format_runs_summary, runs_table
 from pipeline.bench.scoring import OnlineBenchResult
 from pipeline.models.loading import REPO_ROOT
 
@@ -89,11 +90,49 @@ def test_a_run_without_fixed_k_has_no_ratio_and_says_so():
     assert not any(key.endswith("_over_best_fixed") for key in metrics)
 
 
+def test_pooled_over_runs_the_best_fixed_k_is_picked_on_the_sums():
+    """One run's best fixed K is its luckiest row: fixed(k=4) takes 1.0 s in run 1 and 4.0 s in
+    run 2. Pooled, each policy's tokens and seconds are summed and the best fixed K is picked
+    on the sums (fixed(k=1): 8 tokens in 4 s against `ar`'s 8 in 8 s); each run's own ratio
+    is kept as the spread."""
+    run1 = _result(
+        [
+            _row("ar", 4.0, TEXT, 100.0),
+            _row("fixed(k=1)", 2.0, TEXT, 80.0),
+            _row("fixed(k=4)", 1.0, TEXT, 50.0),
+            _row("ours", 1.25, TEXT, 40.0),
+            _row("once", 2.0, TEXT, 60.0),  # failed in run 2
+        ]
+    )
+    run2 = _result(
+        [
+            _row("ar", 4.0, TEXT, 100.0),
+            _row("fixed(k=1)", 2.0, TEXT, 80.0),
+            _row("fixed(k=4)", 4.0, TEXT, 50.0),
+            _row("ours", 1.25, TEXT, 40.0),
+        ]
+    )
+    df = runs_table([domain_table({"code": run1}), domain_table({"code": run2})])
+    df = df.set_index("policy")
+    assert (df["best_fixed"] == "fixed(k=1)").all()
+    assert df.loc["fixed(k=4)", "speedup"] == pytest.approx(8 / 5 / 1.0)
+    assert df.loc["ours", "speedup"] == pytest.approx(3.2)
+    assert df.loc["ours", "over_best_fixed"] == pytest.approx(1.6)
+    assert (df.loc["ours", "run_min"], df.loc["ours", "run_max"]) == pytest.approx((0.8, 1.6))
+    assert df.loc["ours", "modelled_speedup"] == pytest.approx(100 / 40)
+    assert df.loc["ours", "runs"] == 2 and df.loc["once", "runs"] == 1
+    assert df.loc["once", "speedup"] == pytest.approx(2.0)  # against run 1's `ar` only
+    text = format_runs_summary(df.reset_index())
+    assert text.startswith("over 2 runs")
+    assert "code, T=0 (best fixed over the runs: fixed(k=1))" in text
+    assert "0.80-1.60" in text and "(1 runs)" in text
+
+
 @pytest.mark.slow
 def test_bench_online_per_domain(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    args = "--domains prose,math --limit 1 --max-new-tokens 3 --temperatures 0 --quick"
+    args = "--domains prose,math --limit 1 --max-new-tokens 3 --temperatures 0 --quick --runs 2"
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.bench_online", *args.split()],
         cwd=tmp_path,
@@ -110,6 +149,9 @@ def test_bench_online_per_domain(tmp_path):
         "all, T=0 (best fixed: fixed(k=",
         "x best fixed",
         "throughput",
+        "##### run 2/2 #####",
+        "over 2 runs",
+        "all, T=0 (best fixed over the runs: fixed(k=",
     ):
         assert text in proc.stdout, text
     assert " NO" not in proc.stdout  # greedy texts equal `ar`'s

@@ -43,11 +43,14 @@ def bench_policies(
     max_new_tokens: int,
     artifacts: PolicyArtifacts | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    first_seed: int = 0,
 ) -> list[BenchRow]:
     """bench_policy for each (name, knobs, label) in ``specs``, interleaved: every policy
     decodes prompt j before any decodes prompt j + 1, in an order that rotates with j. A
     machine whose speed drifts during the run (a shared CPU drifts by tens of percent within
-    minutes) then slows every policy alike, instead of whichever ran in the slow minutes."""
+    minutes) then slows every policy alike, instead of whichever ran in the slow minutes.
+    Prompt j decodes with seed ``first_seed + j`` for every policy (a repeated run draws anew
+    at T > 0 with another ``first_seed``)."""
     engine = SpeculativeEngine(pair)
     sampling = SamplingConfig(temperature=temperature)
     if artifacts is not None:  # the cost model's prices for this temperature's mode
@@ -55,13 +58,13 @@ def bench_policies(
     seconds = [0.0] * len(specs)
     outputs: list[list[list[int]]] = [[] for _ in specs]
     steps: list[list[list[StepRecord]]] = [[] for _ in specs]
-    for seed, ids in enumerate(prompts):
-        progress(f"T={temperature:g} prompt {seed + 1}/{len(prompts)}")
+    for j, ids in enumerate(prompts):
+        progress(f"T={temperature:g} prompt {j + 1}/{len(prompts)}")
         for turn in range(len(specs)):
-            i = (turn + seed) % len(specs)
+            i = (turn + j) % len(specs)
             name, knobs, _ = specs[i]
-            policy = name(seed) if callable(name) else make_policy(name, artifacts, **knobs)
-            session = engine.start(ids, policy, sampling, seed=seed)
+            policy = name(j) if callable(name) else make_policy(name, artifacts, **knobs)
+            session = engine.start(ids, policy, sampling, seed=first_seed + j)
             started = time.perf_counter()
             while len(session.generated) < max_new_tokens:
                 session.step()
@@ -76,15 +79,19 @@ def bench_policies(
 
 @torch.no_grad()
 def bench_assisted(
-    pair: ModelPair, prompts: list[list[int]], temperature: float, max_new_tokens: int
+    pair: ModelPair,
+    prompts: list[list[int]],
+    temperature: float,
+    max_new_tokens: int,
+    first_seed: int = 0,
 ) -> BenchRow:
-    """transformers' generate(assistant_model=draft), same prompts and token budget. Its time
-    includes both prefills, measured apart (a target and a draft forward over the prompt) and
-    subtracted, so it is comparable with the engine's step times."""
+    """transformers' generate(assistant_model=draft), same prompts, token budget and seeds. Its
+    time includes both prefills, measured apart (a target and a draft forward over the prompt)
+    and subtracted, so it is comparable with the engine's step times."""
     pair.require_draft_model("transformers' assisted generation")
     tokens, seconds, outputs = 0, 0.0, []
-    for seed, ids in enumerate(prompts):
-        torch.manual_seed(seed)
+    for j, ids in enumerate(prompts):
+        torch.manual_seed(first_seed + j)
         kwargs = {"do_sample": temperature > 0}
         if temperature > 0:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)

@@ -7,12 +7,33 @@ at T = 0)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pandas as pd
 
 from pipeline.bench.scoring import OnlineBenchResult
 
 ALL = "all"
 FIXED_PREFIX = "fixed("
+# The measured and modelled totals a row of the table is made of: pooling (over domains, or over
+# repeated runs in pipeline.bench.runs) sums these and derives every ratio again.
+SUMS = [
+    "tokens",
+    "seconds",
+    "ar_tokens",
+    "ar_seconds",
+    "policy_ms",
+    "ar_ms",
+    "bound_ms",
+    "steps",
+    "accepted",
+    "draft_ms",
+    "draft_forwards",
+]
+SUMMED = {
+    **{c: (lambda x: x.sum(min_count=len(x))) for c in SUMS},
+    "greedy_equal": lambda v: _all_or_none(v),
+}
 
 
 def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
@@ -50,23 +71,16 @@ def domain_table(results: dict[str, OnlineBenchResult]) -> pd.DataFrame:
     if df.empty:
         return df
     if len(results) > 1:  # pooled: total tokens over total time, per policy and temperature
-        sums = [
-            "tokens",
-            "seconds",
-            "ar_tokens",
-            "ar_seconds",
-            "policy_ms",
-            "ar_ms",
-            "bound_ms",
-            "steps",
-            "accepted",
-            "draft_ms",
-            "draft_forwards",
-        ]
-        pooled = df.groupby(["temperature", "policy"], as_index=False, sort=False).agg(
-            {**{c: lambda x: x.sum(min_count=len(x)) for c in sums}, "greedy_equal": _all_or_none},
-        )
+        pooled = df.groupby(["temperature", "policy"], as_index=False, sort=False).agg(SUMMED)
         df = pd.concat([df, pooled.assign(domain=ALL)], ignore_index=True)
+    return with_ratios(df)
+
+
+def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` (SUMS per domain, temperature and policy) with its ratios: speedup, modelled
+    share of the bound, and the ratio over the best fixed K of the same domain and
+    temperature."""
+    df = df.copy()
     df["mean_accepted"] = df["accepted"] / df["steps"]  # per step, pooled over the steps
     # Drafting's cost per draft forward (the policy's own work included), measured.
     df["draft_ms_per_forward"] = df["draft_ms"] / df["draft_forwards"].where(
@@ -113,6 +127,18 @@ def _all_or_none(values: pd.Series):
     return None if values.empty else bool(values.all())
 
 
+def by_cell(df: pd.DataFrame, best_is: str, none: str) -> Iterator[tuple[str, pd.DataFrame]]:
+    """Each (domain, temperature)'s rows under a heading naming its best fixed K."""
+    for (domain, temp), group in df.groupby(["domain", "temperature"], sort=False):
+        best = group["best_fixed"].iloc[0]
+        yield f"\n{domain}, T={temp:g} ({best_is}: {none if pd.isna(best) else best})", group
+
+
+def greedy_mark(equal) -> str:
+    """The greedy-text check as printed: yes, NO, or - (T > 0: no check)."""
+    return "-" if equal is None or pd.isna(equal) else ("yes" if equal else "NO")
+
+
 def format_domain_summary(df: pd.DataFrame) -> str:
     """Per domain and temperature: each policy's speedup, its ratio over that domain's best
     fixed K in this run, its modelled share of the bound and the greedy-text check."""
@@ -121,10 +147,8 @@ def format_domain_summary(df: pd.DataFrame) -> str:
         "that domain and temperature in this run; of bound: modelled / modelled; "
         "= greedy: the T=0 text equals `ar`'s)"
     ]
-    for (domain, temp), group in df.groupby(["domain", "temperature"], sort=False):
-        best = group["best_fixed"].iloc[0]
-        best = "no fixed K in this run" if pd.isna(best) else best
-        lines.append(f"\n{domain}, T={temp:g} (best fixed: {best})")
+    for heading, group in by_cell(df, "best fixed", "no fixed K in this run"):
+        lines.append(heading)
         lines.append(
             f"  {'policy':40s} {'tok/s':>7} {'speedup':>8} {'x best fixed':>13} "
             f"{'of bound':>9} {'accepted':>9} {'= greedy':>9} "
@@ -132,11 +156,7 @@ def format_domain_summary(df: pd.DataFrame) -> str:
         )
         for r in group.itertuples():
             of_bound = "-" if pd.isna(r.of_bound) else f"{100 * r.of_bound:.0f}%"
-            equal = (
-                "-"
-                if r.greedy_equal is None or pd.isna(r.greedy_equal)
-                else ("yes" if r.greedy_equal else "NO")
-            )
+            equal = greedy_mark(r.greedy_equal)
             over = "-" if pd.isna(r.over_best_fixed) else f"{r.over_best_fixed:.2f}x"
             lines.append(
                 f"  {r.policy:40s} {r.tok_s:7.1f} {r.speedup:7.2f}x "

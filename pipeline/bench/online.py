@@ -109,6 +109,7 @@ def run_online_bench(
     assisted: bool | None = None,
     bound: bool | list[float] = True,
     record: Callable[[dict], None] = lambda result: None,
+    first_seed: int = 0,
 ) -> OnlineBenchResult:
     """Every policy (QUICK_POLICIES with ``quick``, or ``policies``: (name, knobs) pairs, `ar`
     put first) at every temperature, assisted generation unless ``quick`` (or as ``assisted``
@@ -117,9 +118,10 @@ def run_online_bench(
     decoded online (``bound=False`` leaves the oracle out: measured figures only; a list of
     temperatures solves it only at those).
     ``progress`` gets a line before each policy runs; ``record`` each row's figures (or its
-    failure) the moment it is scored. Before anything decodes, every policy must build and
-    the cost model must price every step it may take (pipeline.bench.guard). A row whose
-    scoring fails is left out and listed in the result's failures; `ar`'s fails the bench."""
+    failure) the moment it is scored; prompt j decodes with seed ``first_seed + j``. Before
+    anything decodes, every policy must build and the cost model must price every step it may
+    take (pipeline.bench.guard). A row whose scoring fails is left out and listed in the
+    result's failures; `ar`'s fails the bench."""
     if policies is None:
         policies = QUICK_POLICIES if quick else DEFAULT_POLICIES + COST_AWARE_POLICIES
     if assisted is None:
@@ -183,13 +185,16 @@ def run_online_bench(
         bench_policy(pair, prompts[:1], "fixed", {"k": 2}, temp, 8)  # warm-up
         progress(f"T={temp:g}: {len(policies)} policies, interleaved prompt by prompt")
         specs = [(name, knobs, None) for name, knobs in policies]
-        for row in bench_policies(pair, prompts, specs, temp, max_new_tokens, artifacts, progress):
+        decoded = bench_policies(
+            pair, prompts, specs, temp, max_new_tokens, artifacts, progress, first_seed
+        )
+        for row in decoded:
             keep(row.label, temp, partial(scored, row, temp, bounded))
         if assisted:
             keep(
                 "transformers assisted",
                 temp,
-                partial(bench_assisted, pair, prompts, temp, max_new_tokens),
+                partial(bench_assisted, pair, prompts, temp, max_new_tokens, first_seed),
             )
         if temp == 0 and bounded:
             progress("T=0 oracle-replay (k*)")
