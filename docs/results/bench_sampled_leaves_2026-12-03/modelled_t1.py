@@ -3,7 +3,10 @@ one seed's 8 prompts x 64 tokens move a policy by several points): each policy's
 priced with the committed cost model (bench_online's `modelled`), summed over the first 8
 prompts of a domain and SEEDS seeds, over the best fixed K of the same prompts and seeds.
 
-    .venv/bin/python docs/results/bench_sampled_leaves_2026-12-03/modelled_t1.py SEEDS POLICIES
+    python docs/results/bench_sampled_leaves_2026-12-03/modelled_t1.py SEEDS POLICIES [FIRST]
+
+FIRST (0): the first prompt of each domain; 8 takes held-out prompts 8-15 (never in the bench,
+never in the acceptance model's training set).
 
 `specdec-leaves:n=N` (defined here only, an experiment): `specdec` with a further draw beside
 each of its first N chain tokens, chosen before those tokens are drawn (lossless)."""
@@ -49,12 +52,14 @@ class SpecDecLeaves(SpecDecPolicy):
         return cands
 
 
-def main(seeds: int, specs: list[str]) -> None:
+def main(seeds: int, specs: list[str], first: int = 0) -> None:
     torch.set_num_threads(1)
     pair, art = load_pair(), load_artifacts()
     engine = SpeculativeEngine(pair)
     for domain in ("code", "prose", "math"):
-        prompts = [encode(pair.tokenizer, p.text, keep_last=256) for p in load_domain(domain, 8)]
+        prompts = [
+            encode(pair.tokenizer, p.text, keep_last=256) for p in load_domain(domain, first + 8)
+        ][first:]
         speedup, accepted = {}, {}
         for spec in specs:
             name, _, kv = spec.partition(":")
@@ -86,4 +91,4 @@ def main(seeds: int, specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2].split(","))
+    main(int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]) if len(sys.argv) > 3 else 0)
