@@ -211,10 +211,17 @@ def _bound_arg(args: argparse.Namespace) -> bool | list[float]:
 
 
 def _bench_source(
-    args: argparse.Namespace, pair, artifacts, log: ResultLog, name: str, run: int
+    args: argparse.Namespace,
+    pair,
+    artifacts,
+    log: ResultLog,
+    bounds: dict,
+    name: str,
+    run: int,
 ) -> OnlineBenchResult:
     """One prompt source's (a domain's or --source's) bench in run ``run`` (from 0), each row
-    written to ``log`` as it is scored, the table printed as it finishes."""
+    written to ``log`` as it is scored, the table printed as it finishes; ``bounds`` are the
+    oracle's solutions so far (another run's identical T = 0 texts are not solved again)."""
     chosen = load_prompts(name, args.limit)
     trained = set(artifacts.acceptance.meta.get("prompts", [])) if artifacts.acceptance else set()
     seen = sorted(p.prompt_id for p in chosen if p.prompt_id in trained)
@@ -241,6 +248,7 @@ def _bench_source(
         progress=lambda line: print(f"[bench_online] {where}{name}: {line}", flush=True),
         record=lambda result: log.write({"source": name, "run": run + 1, **result}),
         first_seed=run * args.limit,
+        bounds=bounds,
     )
     if args.domains:
         print(f"\n=== domain {name} ===")
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     log = ResultLog(args.out / "rows.jsonl")
     with torch_threads(args.threads or None):
         bench = repeat_bench(
-            partial(_bench_source, args, pair, artifacts, log),
+            partial(_bench_source, args, pair, artifacts, log, {}),
             sources,
             args.runs,
             lambda text: print(text, flush=True),

@@ -155,6 +155,9 @@ def test_bench_online_per_domain(tmp_path):
     ):
         assert text in proc.stdout, text
     assert " NO" not in proc.stdout  # greedy texts equal `ar`'s
+    # Run 2's T = 0 texts are run 1's: the oracle solved them once.
+    assert "run 1/2, prose: T=0 ar: the oracle on its text" in proc.stdout
+    assert "run 2/2, prose: T=0 ar: the oracle" not in proc.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "jobs.bench_online", "--domains", "poetry"],
         cwd=tmp_path,

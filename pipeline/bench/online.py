@@ -110,6 +110,7 @@ def run_online_bench(
     bound: bool | list[float] = True,
     record: Callable[[dict], None] = lambda result: None,
     first_seed: int = 0,
+    bounds: dict[tuple, BoundResult] | None = None,
 ) -> OnlineBenchResult:
     """Every policy (QUICK_POLICIES with ``quick``, or ``policies``: (name, knobs) pairs, `ar`
     put first) at every temperature, assisted generation unless ``quick`` (or as ``assisted``
@@ -118,7 +119,10 @@ def run_online_bench(
     decoded online (``bound=False`` leaves the oracle out: measured figures only; a list of
     temperatures solves it only at those).
     ``progress`` gets a line before each policy runs; ``record`` each row's figures (or its
-    failure) the moment it is scored; prompt j decodes with seed ``first_seed + j``. Before
+    failure) the moment it is scored; prompt j decodes with seed ``first_seed + j``. ``bounds``:
+    solved bounds by temperature, prompts and text, shared by the calls given the same dict
+    (with the same cost model and Lmax: a repeated run's T = 0 texts are the same, and each is
+    solved once). Before
     anything decodes, every policy must build and the cost model must price every step it may
     take (pipeline.bench.guard). A row whose scoring fails is left out and listed in the
     result's failures; `ar`'s fails the bench."""
@@ -139,11 +143,13 @@ def run_online_bench(
     rows: list[BenchRow] = []
     lines: list[str] = []
     failures: list[PolicyFailure] = []
-    bounds: dict[tuple, BoundResult] = {}
+    bounds = {} if bounds is None else bounds
+    prompts_key = tuple(map(tuple, prompts))
 
     def bound_of(row: BenchRow, temp: float) -> BoundResult:
-        key = (temp, tuple(map(tuple, row.outputs)))
+        key = (temp, prompts_key, tuple(map(tuple, row.outputs)))
         if key not in bounds:
+            progress(f"T={temp:g} {row.label}: the oracle on its text")
             acceptance = "greedy" if temp == 0 else "sampling"
             bounds[key] = sequence_bounds(
                 pair,
@@ -176,7 +182,6 @@ def run_online_bench(
     def scored(row: BenchRow, temp: float, bounded: bool) -> BenchRow:
         _price(row, pair, prompts, artifacts)
         if bounded and not row.tree:
-            progress(f"T={temp:g} {row.label}: the oracle on its text")
             row.bound = bound_of(row, temp)
         return row
 
