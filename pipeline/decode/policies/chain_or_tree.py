@@ -30,6 +30,7 @@ drawn, never after, which keeps sampling lossless.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -221,33 +222,17 @@ class ChainOrTreePolicy(ThroughputPolicy):
     # how many siblings a node has never depends on what they are (recursive rejection
     # sampling is lossless for a number of draws fixed before them).
     def _draw_beside(self, drafter: Drafter, position: int, probs: torch.Tensor) -> None:
-        """Before the chain's draw at ``position``: a second draw there, if its worth at the
-        generation's rate beats one more verified position."""
+        """Before the chain's draw at ``position``: a second draw there, if rho x its worth
+        beats the position it adds to the pass (the chain up to and including this position,
+        the root and the leaves drawn so far)."""
         accs = self.outcomes.predicted
-        prefix = 1.0
-        for a in accs[:position]:
-            prefix *= a
-        worth = prefix * (1.0 - accs[position]) * self._used
-        self._maybe_draw(drafter, position, probs, worth, position + 2)
-
-    def _maybe_draw(
-        self,
-        drafter: Drafter,
-        position: int,
-        probs: torch.Tensor,
-        worth: float,
-        chain_m: int,
-    ) -> bool:
-        """Draw a leaf at ``position`` if rho x ``worth`` beats the position it adds to a pass
-        of ``chain_m`` chain positions (the root included) and the leaves drawn so far."""
-        m = chain_m + len(self._drawn)
+        worth = math.prod(accs[:position]) * (1.0 - accs[position]) * self._used
+        m = position + 2 + len(self._drawn)
         if len(self._drawn) >= self.max_alternatives or m + 1 >= len(self._tt):
-            return False
+            return
         if self._rate() * worth <= self._tt[m + 1] - self._tt[m]:
-            return False
-        token = drafter.sample(probs)
-        self._drawn.append((Alternative(position, token, worth), probs))
-        return True
+            return
+        self._drawn.append((Alternative(position, drafter.sample(probs), worth), probs))
 
     def update(self, outcome: StepOutcome) -> None:
         k = len(self._chain)
