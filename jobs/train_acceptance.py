@@ -7,7 +7,9 @@ over the text labels every position with what verification would do with the dra
 per mode read the draft's confidence, entropy and top-2 margin, how far its top token
 continues an n-gram already in the context, its last hidden state and the generation's recent
 acceptance: one for the token about to be drafted, one for the token after it (so that
-extending a chain is decided without the forward that would show it). Also records the mean
+extending a chain is decided without the forward that would show it). At T = 0 the second
+also reads what happened the last time the text was here (two weights on its logit: the draft
+agreed, or missed, after the context's most recent earlier occurrence). Also records the mean
 expert union of m consecutive positions, what a verification of m positions computes.
 
 The benchmark's prompts are the first --limit of each domain; training skips the first
@@ -125,6 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
                     f"raw confidence {s.get('log_loss_confidence', float('nan')):.3f}), "
                     f"Brier {s['brier']:.3f}"
                 )
+        r = scores.get("repeat", {})
+        if r.get("fitted"):
+            print(
+                f"{mode:8s} repeat   agreed there {r['weights'][0]:+.2f}, missed there "
+                f"{r['weights'][1]:+.2f} on the `next` logit ({r['rows_agreed']} / "
+                f"{r['rows_missed']} rows); `next` held-out log loss "
+                f"{r.get('heldout_log_loss_without', float('nan')):.3f} -> "
+                f"{r.get('heldout_log_loss_with', float('nan')):.3f}"
+            )
     print("expert union per layer by m:", ", ".join(f"{u:.1f}" for u in model.union_by_m))
     print("saved", args.out)
     with tracked_run("train_acceptance", params={k: str(v) for k, v in vars(args).items()}) as t:
@@ -132,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
             for kind in ("current", "next"):
                 if scores.get(kind):
                     t.log_metrics({f"{mode}_{kind}_log_loss": scores[kind]["log_loss"]})
+            repeat = scores.get("repeat", {})
+            if "heldout_log_loss_with" in repeat:
+                t.log_metrics({f"{mode}_next_repeat_log_loss": repeat["heldout_log_loss_with"]})
         t.log_artifact(str(args.out))
     return json.loads(json.dumps(report))
 

@@ -95,9 +95,16 @@ def test_chain_traces_round_trip_through_their_file(tmp_path):
         np.array([1.0, 0.0, 1.0]),
         np.ones((3, 2)),
         np.array([1, 2, 1]),
+        tokens=np.array([7, 8]),  # the text: one token per chain (what repeats are read on)
     )
-    plain = AcceptanceTrace("d", 0.0, np.zeros((2, W - 2)), np.array([1.0, 1.0]), np.ones((2, 2)))
+    plain = AcceptanceTrace(
+        "d", 0.0, np.zeros((2, W - 2)), np.array([1.0, 1.0]), np.ones((2, 2)), tokens=np.ones(2)
+    )
     path = tmp_path / "t.npz"
     save_traces(path, [chains, plain], UnionCounts(np.array([4.0]), np.array([1.0])), {})
     back, _, _ = load_traces(path)
     assert back[0].depth.tolist() == [1, 2, 1] and back[1].depth is None
+    assert back[0].tokens.tolist() == [7, 8]
+    # Slices of one array read once (each NpzFile access decompresses a whole new copy: 96
+    # prompts x 3 temperatures of a head's chains held 288 copies and ran out of memory).
+    assert back[0].hidden.base is back[1].hidden.base is not None

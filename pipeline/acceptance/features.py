@@ -31,18 +31,20 @@ MAX_MATCH = 8  # the longest n-gram the context match looks for
 
 class NgramIndex:
     """Every n-gram (n <= MAX_MATCH) of a growing token sequence, for the context match: one
-    set lookup per n, so a query costs microseconds whatever the context's length."""
+    dict lookup per n, so a query costs microseconds whatever the context's length. Each
+    n-gram keeps its two most recent end positions (pipeline.acceptance.repeats reads them)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self._seen: set[tuple[int, ...]] = set()
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # (last end, the one before)
 
     def extend(self, tokens: list[int]) -> None:
         for tok in tokens:
             self.tokens.append(tok)
             end = len(self.tokens)
             for n in range(1, min(MAX_MATCH, end) + 1):
-                self._seen.add(tuple(self.tokens[end - n :]))
+                key = tuple(self.tokens[end - n :])
+                self._ends[key] = (end - 1, self._ends.get(key, (-1, -1))[0])
 
     def match(self, tail: list[int], token: int) -> int:
         """The largest n such that the last n - 1 tokens of ``tail`` followed by ``token``
@@ -51,7 +53,7 @@ class NgramIndex:
         for n in range(1, MAX_MATCH + 1):
             if n - 1 > len(tail):
                 break
-            if tuple(tail[len(tail) - n + 1 :] + [token]) not in self._seen:
+            if tuple(tail[len(tail) - n + 1 :] + [token]) not in self._ends:
                 break
             best = n
         return best

@@ -41,6 +41,9 @@ class ModeModel:
     # draft will show, for deciding whether a look at the next distribution is worth its
     # forward before paying for it.
     spread: list[float] = field(default_factory=list)
+    # Added to the `next` logit at T = 0 when the text was here before
+    # (pipeline.acceptance.repeats): [the draft agreed after it, it missed]; empty: not fitted.
+    repeat: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(FEATURE_NAMES)
@@ -51,6 +54,10 @@ class ModeModel:
                     "and optionally one per dimension of the draft's hidden "
                     "state"
                 )
+        if len(self.repeat) not in (0, 2):
+            raise ValueError(
+                f"repeat: expected 2 weights (agreed, missed) or none, got {len(self.repeat)}"
+            )
         # The hidden-state parts as tensors once: a prediction is then one dot product.
         parts = {
             name: torch.tensor(w) if len(w) else None
@@ -72,13 +79,15 @@ class ModeModel:
         n: int,
         decay: float,
         offset: float = 0.0,
+        repeat: bool | None = None,
     ) -> tuple[float, list[float]]:
         """P(the token about to be drafted is accepted), then the `next` model for the n
         tokens after it along the path where each is accepted (what a later token's worth is
         conditional on): recent acceptance rising by an accepted outcome per token, the
         draft's features as seen here. One product against the hidden state serves both
         models (a decision per draft token); ``offset`` is added to every logit (the policy's
-        online correction)."""
+        online correction); ``repeat``: the outcome after this context's last occurrence
+        (RepeatMemory.outcome; None: unknown or not asked), read by `next` when fitted."""
         both = self._hidden_weights.get("both")  # type: ignore[attr-defined]
         if both is None or hidden is None:
             z_cur = self._logit("current", stats, recent, hidden)
@@ -90,6 +99,8 @@ class ModeModel:
             z_cur = h_cur + sum(w * x for w, x in zip(self.current[:k], f, strict=True))
             z_next = h_next + sum(w * x for w, x in zip(self.next[:k], f, strict=True))
         z_cur, z_next = z_cur + offset, z_next + offset
+        if repeat is not None and self.repeat:
+            z_next += self.repeat[0] if repeat else self.repeat[1]
         w_recent = self.next[RECENT]
         z_next -= w_recent * recent
         later = []

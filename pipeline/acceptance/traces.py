@@ -131,7 +131,13 @@ def trace_prompt(
             pair.draft, head_cache, draft_hidden[0], ids, gen.tokens, p, q, sampling
         )
         trace = AcceptanceTrace(
-            prompt.prompt_id, sampling.temperature, stats, chain_labels, chain_hidden, depth
+            prompt.prompt_id,
+            sampling.temperature,
+            stats,
+            chain_labels,
+            chain_hidden,
+            depth,
+            tokens=np.asarray(gen.tokens, dtype=np.int64),
         )
         return trace, UnionCounts(sums, counts)
     trace = AcceptanceTrace(
@@ -212,7 +218,10 @@ def save_traces(path: Path, traces: list[AcceptanceTrace], unions: UnionCounts, 
 
 
 def load_traces(path: Path) -> tuple[list[AcceptanceTrace], UnionCounts, dict]:
-    data = np.load(path)
+    # Every array read once: an NpzFile decompresses an array again on each access, and a
+    # trace's slices of those copies would keep one whole copy alive per trace.
+    with np.load(path) as npz:
+        data = {name: npz[name] for name in npz.files}
     width = len(FEATURE_NAMES) - 2
     if data["stats"].shape[1] != width:
         raise ValueError(

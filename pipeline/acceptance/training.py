@@ -15,6 +15,7 @@ import numpy as np
 from pipeline.acceptance.features import FEATURE_NAMES
 from pipeline.acceptance.logistic import fit_logistic, kept_weights
 from pipeline.acceptance.model import RECENT, AcceptanceModel, ModeModel
+from pipeline.acceptance.repeats import fit_repeat_weights, trace_indicators
 from pipeline.acceptance.traces import (
     AcceptanceTrace,
     collect_traces,
@@ -152,6 +153,7 @@ def fit_acceptance(
         prior = float(np.mean(np.concatenate([t.labels for t in chosen])))
         weights, mode_report = {}, {"prompts": len(ids), "heldout_prompts": len(held)}
         kept: dict = {}  # the kept fits' convergence reports (held-out fits only warn)
+        held_next = None
         for kind, shift in (("current", 0), ("next", 1)):
             if test:
                 x_tr, y_tr, w_tr = design(train, decay, prior, shift, hidden)
@@ -161,6 +163,7 @@ def fit_acceptance(
                 x_te, y_te, w_te = design(test, decay, prior, shift, hidden)
                 mean = float(np.average(y_tr, weights=w_tr))
                 mode_report[kind] = score(w_held, x_te, y_te, mean, w_te).row()
+                held_next = w_held if kind == "next" else held_next
             x_all, y_all, w_all = design(chosen, decay, prior, shift, hidden)
             fit = fit_logistic(x_all, y_all, l2, weights=w_all)
             weights[kind] = [float(v) for v in kept_weights(f"{mode}/{kind}", fit, kept, kind)]
@@ -181,8 +184,13 @@ def fit_acceptance(
         w_cur[RECENT] = 0.0
         logits = x_all @ w_cur
         spread = [float(v) for v in np.quantile(logits, np.arange(0.05, 1.0, 0.1))]
+        repeat: list[float] = []
+        if mode == "greedy":  # an outcome "the last time here" is the draft's argmax's
+            repeat, mode_report["repeat"] = fit_repeat(
+                chosen, train, test, (decay, prior, hidden), weights["next"], held_next
+            )
         modes[mode] = ModeModel(
-            weights["current"], weights["next"], prior, [float(v) for v in head], spread
+            weights["current"], weights["next"], prior, [float(v) for v in head], spread, repeat
         )
         report[mode] = mode_report
     if not modes:
@@ -193,6 +201,42 @@ def fit_acceptance(
             "per prompt than the largest m"
         )
     return AcceptanceModel(modes, union_by_m, decay, dict(meta or {}, fit=report)), report
+
+
+def fit_repeat(
+    chosen: list[AcceptanceTrace],
+    train: list[AcceptanceTrace],
+    test: list[AcceptanceTrace],
+    settings: tuple[float, float, bool],
+    w_next: list[float],
+    w_next_held: np.ndarray | None,
+) -> tuple[list[float], dict]:
+    """The `next` model's repeat weights (pipeline.acceptance.repeats) on top of its fitted
+    logit, and the held-out log loss without and with them (``settings``: design's decay,
+    prior and hidden). No weights for traces saved without their text."""
+    if any(t.tokens is None for t in chosen):
+        return [], {"fitted": False, "why": "traces saved without their text"}
+
+    def rows(ts: list[AcceptanceTrace], w: np.ndarray) -> tuple[np.ndarray, ...]:
+        x, y, wt = design(ts, *settings[:2], 1, settings[2])
+        marks = [trace_indicators(t.tokens, t.labels, t.depth)[: len(t.labels) - 1] for t in ts]
+        return x @ w, np.concatenate(marks), y, wt
+
+    report: dict = {"fitted": True}
+    if test and w_next_held is not None:
+        beta = np.array(fit_repeat_weights(*rows(train, w_next_held)))
+        z, marks, y, wt = rows(test, w_next_held)
+        keep = wt > 0
+        for key, logit in (("without", z), ("with", z + marks @ beta)):
+            report[f"heldout_log_loss_{key}"] = log_loss(1 / (1 + np.exp(-logit[keep])), y[keep])
+    z, marks, y, wt = rows(chosen, np.asarray(w_next))
+    weights = fit_repeat_weights(z, marks, y, wt)
+    report.update(
+        weights=weights,
+        rows_agreed=int(marks[wt > 0, 0].sum()),
+        rows_missed=int(marks[wt > 0, 1].sum()),
+    )
+    return weights, report
 
 
 def train_acceptance(

@@ -27,6 +27,11 @@ class Drafter:
     tokens raises StepLimitExceeded before it runs (the prompt's prefill is not a step).
     """
 
+    # Row r of ``begin``'s forward (over the positions from cached() on) is the distribution
+    # of text position cached() + r + ROW_AHEAD: a draft model's row reads the token at its
+    # own position (an EAGLE-3 head's reads the next one: 2).
+    ROW_AHEAD = 1
+
     def __init__(
         self,
         pair: ModelPair,

@@ -23,6 +23,8 @@ from pipeline.models.treemask import ancestor_matrix
 class HeadDrafter(Drafter):
     """Drafter over an EAGLE-3 head (``pair.draft`` is an Eagle3Head)."""
 
+    ROW_AHEAD = 2  # head position i reads committed token i + 1 and predicts token i + 2
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         head: Eagle3Head = self.pair.draft

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.acceptance.repeats import RepeatMemory
+
 MAX_OFFSET = 3.0  # the online logit correction stays within this
 
 
@@ -26,23 +28,40 @@ class OutcomeTracker:
     predicted: list[float] = field(default_factory=list)
     _observed_upto: int = -1  # the last text position whose draft outcome is counted
     _catchup: list[bool] = field(default_factory=list)  # this step's catch-up outcomes
+    # At T = 0, where each committed position's outcome is recorded for the repeat lookup
+    # (pipeline.acceptance.repeats); None: not recorded.
+    memory: RepeatMemory | None = None
 
     def recent_or(self, prior: float) -> float:
         return prior if self.recent is None else self.recent
 
+    def start(self, prompt_len: int) -> None:
+        """Outcomes are the generated text's: a position of the prompt is none (a head's first
+        catch-up runs over the prompt)."""
+        self._observed_upto = max(self._observed_upto, prompt_len - 1)
+
     def observe_catchup(
-        self, logits: torch.Tensor, committed: list[int], cached: int, recent: float
+        self,
+        logits: torch.Tensor,
+        committed: list[int],
+        cached: int,
+        recent: float,
+        ahead: int = 1,
     ) -> float:
-        """``recent`` moved by the catch-up forward's outcomes (greedy: its ``logits`` rows are
-        the draft's predictions from position ``cached`` + 1 on); they are counted for good
-        at the step's update."""
-        # Row r predicts position cached + r + 1; rows up to the last judged position add
-        # nothing (after a drafting step that is all of them: no argmax to run).
-        first = max(0, self._observed_upto - cached)
+        """``recent`` moved by the catch-up forward's outcomes (greedy: its ``logits`` row r is
+        the draft's prediction of position ``cached`` + r + ``ahead``, Drafter.ROW_AHEAD);
+        they are counted for good at the step's update."""
+        # Rows up to the last judged position add nothing (after a drafting step that is all
+        # of them: no argmax to run); the last row is the next draft's.
+        first = max(0, self._observed_upto + 1 - cached - ahead)
         self._catchup = []
         if first < logits.shape[0] - 1:
             rows = logits[first:-1].argmax(-1).tolist()
-            self._catchup = [tok == committed[cached + first + r + 1] for r, tok in enumerate(rows)]
+            at = cached + first + ahead  # the position row `first` predicts
+            self._catchup = [tok == committed[at + r] for r, tok in enumerate(rows)]
+            if self.memory is not None:
+                for r, hit in enumerate(self._catchup):
+                    self.memory.observe(at + r, hit)
         for hit in self._catchup:
             recent = self.decay * recent + (1 - self.decay) * float(hit)
         return recent
@@ -60,6 +79,9 @@ class OutcomeTracker:
             recent = self.decay * recent + (1 - self.decay) * float(hit)
         self.recent = recent
         self._observed_upto = ctx + judged - 1
+        if self.memory is not None:
+            for j in range(judged):
+                self.memory.observe(ctx + j, j < accepted)
         # Online recalibration: one gradient step of the log loss on the logit offset per
         # judged token, so a domain the offline model under- or overrates is corrected within
         # a few steps.

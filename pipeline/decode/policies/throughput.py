@@ -19,7 +19,9 @@ and top-2 margin, how far its top token continues an n-gram already in the text 
 prompt-lookup signal: copied names and phrases are accepted far more often), its hidden state
 and the generation's recent acceptance. The draft's raw confidence understates greedy
 acceptance; this model is calibrated on what the target actually did, and ``adapt`` corrects
-its logit online from the generation's own outcomes (a domain it under- or overrates).
+its logit online from the generation's own outcomes (a domain it under- or overrates). At
+T = 0 the `next` model also reads what happened the last time the text was where it is now
+(pipeline.acceptance.repeats: a loop of lines is accepted again where it was before).
 
 Decisions cost no draft forward of their own: drafting the next token is decided once its
 distribution is known (the `current` model); running the forward for the token after it,
@@ -35,8 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.acceptance.features import MAX_MATCH, NgramIndex, position_view
+from pipeline.acceptance.features import MAX_MATCH, position_view
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
+from pipeline.acceptance.repeats import RepeatMemory
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import AcceptanceChainPolicy
@@ -128,10 +131,13 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         self._price_sum: float | None = None  # decayed sums of step prices and new tokens
         self._token_sum, self._plain_run, self._ctx = 0.0, 0, 0
         self._prior = 0.0  # the mode's training mean, set by propose
+        self._prompt_len: int | None = None
         assert self.max_k is not None
         self.prices = PriceTables(self.cost, self.acceptance.union, self.max_k, self.retime)
         self._td, self._tt = self.prices.td, self.prices.tt  # this step's tables
-        self._index = NgramIndex()  # the committed text's n-grams, for the context match
+        # The committed text's n-grams (the context match) and, at T = 0, each position's
+        # outcome (what the `next` model reads where the text repeats itself).
+        self._index = RepeatMemory()
         self.decisions = []
 
     def step_work(self) -> StepWork:
@@ -197,7 +203,12 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     # -- the step ------------------------------------------------------------------------
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
         mode: ModeModel = self.acceptance.mode(drafter.sampling.greedy)
+        if drafter.sampling.greedy and mode.repeat:  # T = 0: outcomes kept for the lookup
+            self.outcomes.memory = self._index
         self._prior = mode.prior
+        if self._prompt_len is None:  # the generation's first step: committed is the prompt
+            self._prompt_len = len(committed)
+            self.outcomes.start(self._prompt_len)
         recent = self.outcomes.recent_or(mode.prior)
         self._ctx = len(committed)
         rho = self._rate()
@@ -212,17 +223,23 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         probs = drafter.begin(committed)
         if drafter.sampling.greedy:
             assert drafter.logits is not None
-            recent = self.outcomes.observe_catchup(drafter.logits, committed, cached, recent)
+            recent = self.outcomes.observe_catchup(
+                drafter.logits, committed, cached, recent, drafter.ROW_AHEAD
+            )
         p_chain, decay = 1.0, self.acceptance.decay
         self._index.extend(committed[len(self._index.tokens) :])
         tail = committed[-(MAX_MATCH - 1) :]
         greedy = drafter.sampling.greedy
+        repeats = self.outcomes.memory is not None
         for j in range(self._room()):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             # This token, and the ones after it, each given the ones before it accepted.
             stats, top = position_view(probs, self._index, tail)
             room = self._room() - j - 1  # chain tokens after this one the pass has room for
-            a_now, later = mode.chain_view(stats, recent, state, room, decay, self.outcomes.offset)
+            seen = self._index.outcome([*tail, top]) if repeats else None
+            a_now, later = mode.chain_view(
+                stats, recent, state, room, decay, self.outcomes.offset, seen
+            )
             self.outcomes.predicted.append(a_now)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
             if not (probe and j == 0) and not plan_pays(
