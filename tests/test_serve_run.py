@@ -23,6 +23,14 @@ from pipeline.models.loading import REPO_ROOT
 from tests.serving_support import held_port, wait_healthy
 
 pytestmark = pytest.mark.slow
+# serve run is started through this, as from a user's shell: SIGINT at its default. A child
+# inherits an ignored signal, and in full suite runs serve run has let SIGINT pass unheeded
+# (its request ran to its deadline, nothing logged after it). (An exec, not preexec_fn: that
+# is unsafe in a process with threads.)
+DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 REQUEST_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -65,16 +73,12 @@ def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
         log = tmp_path / "serve_run.log"
         with log.open("w") as out:  # (the child keeps its own copy of the descriptor)
             proc = subprocess.Popen(
-                [str(serve_bin), "run", str(path)],
+                [sys.executable, "-c", DEFAULT_SIGINT, str(serve_bin), "run", str(path)],
                 cwd=REPO_ROOT,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                # As from a user's shell: SIGINT at its default. A child inherits an ignored
-                # signal, and in full suite runs serve run has let SIGINT pass unheeded (its
-                # request ran to its deadline, nothing logged after it).
-                preexec_fn=_default_sigint,
             )
         base = f"http://127.0.0.1:{port}"
         try:
@@ -113,10 +117,6 @@ def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _post(base: str) -> str:
