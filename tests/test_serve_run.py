@@ -68,8 +68,7 @@ def test_sigint_stops_serve_run_within_the_shutdown_budget(tmp_path: Path):
         }
         path = tmp_path / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
-        # Its output goes to a file, shown when the budget is missed (an undiagnosed flake:
-        # in full suite runs Ray's exit has sometimes taken longer than alone).
+        # Its output goes to a file, shown when the budget is missed.
         log = tmp_path / "serve_run.log"
         with log.open("w") as out:  # (the child keeps its own copy of the descriptor)
             proc = subprocess.Popen(
