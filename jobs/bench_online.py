@@ -53,6 +53,7 @@ from jobs.cli import (
 from pipeline.bench.domains import domain_metrics
 from pipeline.bench.guard import ResultLog, raise_failures
 from pipeline.bench.online import run_online_bench
+from pipeline.bench.price_drift import price_drift
 from pipeline.bench.rows import BenchRow
 from pipeline.bench.runs import repeat_bench
 from pipeline.bench.scoring import OnlineBenchResult, format_online_bench
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
             lambda text: print(text, flush=True),
             by_domain=bool(args.domains),
         )
+    drift = price_drift(bench.rows())
+    if drift is not None:
+        print("\n" + "\n".join(drift.lines(args.target, args.draft, args.temperatures)))
     params = {**vars(args), "policies": str(args.policies)}
     with tracked_run("bench_online", params=params) as mlrun:
         for run_index in range(args.runs):  # one step per run
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
         pooled = bench.pooled()
         if pooled is not None:
             mlrun.log_metrics({f"runs_{k}": v for k, v in domain_metrics(pooled).items()})
+        if drift is not None:
+            mlrun.log_metrics(drift.metrics())
     print(f"\nrows written to {log.path}")
     raise_failures("bench_online", bench.failures(bool(args.domains)))  # after the rest is out
     return bench.rows()

@@ -152,6 +152,7 @@ def test_bench_online_per_domain(tmp_path):
         "##### run 2/2 #####",
         "over 2 runs",
         "all, T=0 (best fixed over the runs: fixed(k=",
+        "prices against this run's steps: draft forwards at",
     ):
         assert text in proc.stdout, text
     assert " NO" not in proc.stdout  # greedy texts equal `ar`'s

@@ -94,6 +94,27 @@ def _price(
         ) from None
     row.policy_ms = sum(r.policy_ms for r in runs)
     row.ar_ms = sum(r.ar_ms for r in runs)
+    row.side_ms = side_times(row, prompts, artifacts.cost)
+
+
+def side_times(
+    row: BenchRow, prompts: list[list[int]], cost: CostModel
+) -> tuple[float, float, float, float]:
+    """The row's steps per side, measured and priced in its decoding mode (what the policies
+    decided with): draft measured, draft priced, target measured, target priced. The target
+    side holds the acceptance walk where the cost model prices it (a calibrated mode)."""
+    mode = cost.for_sampling(row.temperature)
+    walk = "priced_mode" in mode.meta
+    sums = [0.0, 0.0, 0.0, 0.0]
+    for prompt, steps in zip(prompts, row.steps, strict=True):
+        done = 0
+        for rec in steps:
+            sums[0] += rec.t_draft_ms
+            sums[1] += mode.t_draft(rec.draft_forwards)
+            sums[2] += rec.t_verify_ms + (rec.t_accept_ms if walk else 0.0)
+            sums[3] += mode.t_target(rec.verified, rec.u_bar, len(prompt) + done)
+            done += rec.new_tokens
+    return sums[0], sums[1], sums[2], sums[3]
 
 
 def run_online_bench(

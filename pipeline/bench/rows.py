@@ -32,6 +32,9 @@ class BenchRow:
     policy_ms: float | None = None  # the cost model's price of every step
     ar_ms: float | None = None  # the AR price of the same text
     bound: BoundResult | None = None  # the oracle on the same text (chain policies)
+    # Per side, the steps' measured ms and their price in the row's decoding mode: draft
+    # measured, draft priced, target measured, target priced (pipeline.bench.price_drift).
+    side_ms: tuple[float, float, float, float] | None = None
 
     @property
     def tokens_per_s(self) -> float:

@@ -5,12 +5,15 @@ root:
     python docs/results/repeat_outcomes_2026-12-04/step_parts.py ARTIFACTS POLICIES [DOMAINS]
 
 ARTIFACTS: models (the 1-layer pair) or models/eagle3-head; POLICIES: comma-separated, e.g.
-fixed:k=3,throughput@old.json,throughput (NAME@FILE: that policy with another acceptance.json).
+fixed:k=3,throughput@old.json,throughput (NAME@FILE: that policy with another acceptance.json;
+NAME#FILE: with another costmodel.json; knobs NAME:k=V;k2=true). PASSES (environment, default
+2): passes over the prompts.
 Columns: tok/s, ms per token (draft, verify, acceptance walk, the rest), steps, draft forwards
 per step, tokens fed per forward, ms per forward, modelled draft and verify ms per token,
 measured over modelled."""
 
 import dataclasses
+import os
 import sys
 import time
 from collections import defaultdict
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.acceptance.model import AcceptanceModel
+from pipeline.cost.model import CostModel
 from pipeline.data.domains import load_prompts
 from pipeline.data.prompts import encode
 from pipeline.decode.engine import SpeculativeEngine
@@ -29,13 +33,17 @@ from pipeline.models.loading import load_pair
 
 
 def build(spec: str, art):
-    """NAME[:k=V][@ACCEPTANCE_JSON] -> a policy."""
+    """NAME[:k=V][@ACCEPTANCE_JSON][#COSTMODEL_JSON] -> a policy."""
+    spec, _, costmodel = spec.partition("#")
+    if costmodel:
+        art = dataclasses.replace(art, cost=CostModel.load(Path(costmodel)))
     spec, _, acceptance = spec.partition("@")
     if acceptance:
         art = dataclasses.replace(art, acceptance=AcceptanceModel.load(Path(acceptance)))
     name, _, kv = spec.partition(":")
     knobs = {
-        k: float(v) if "." in v else int(v) for k, v in (x.split("=") for x in kv.split(";") if x)
+        k: v == "true" if v in ("true", "false") else float(v) if "." in v else int(v)
+        for k, v in (x.split("=") for x in kv.split(";") if x)
     }
     return make_policy(name, art, **knobs)
 
@@ -61,7 +69,7 @@ def main(artifacts: str, specs: list[str], domains: list[str]) -> None:
         for p in load_prompts(dom, 8)
     ]
     sums = {s: defaultdict(float) for s in specs}
-    for _ in range(2):
+    for _ in range(int(os.environ.get("PASSES", "2"))):
         for ids in prompts:
             for spec in specs:
                 session = engine.start(
