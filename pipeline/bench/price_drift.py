@@ -1,13 +1,13 @@
 """How far a bench's measured step times are from the cost model's prices of the same steps,
 per side: the draft's forwards, and the target's verification with the acceptance walk.
 
-A cost model describes the machine state it was measured in, and a shared machine's state
-moves: on this project's 2-core machine the same forwards have measured from about twice to a
-quarter of the prices of a cost model taken on it days before. The cost-aware policies weigh one side's price
-against the other's, so a drift *between* the sides moves their decisions (`throughput` drafts
-shorter chains when drafting is overpriced); `marginal`'s and `ecospec`'s lambda is in ms per
-token, so a drift of *both* sides moves theirs. Past the thresholds below the bench says so and
-how to recalibrate; it changes nothing itself.
+A cost model describes the machine state it was measured in, and a shared machine's state moves:
+on this project's 2-core machine the same forwards have measured from about twice to a quarter
+of the prices of a cost model taken on it days before. The cost-aware policies weigh one side's
+price against the other's, so a drift *between* the sides moves their decisions (`throughput`
+drafts shorter chains when drafting is overpriced); `marginal`'s and `ecospec`'s lambda is in ms
+per token, so a drift of *both* sides moves theirs. Past the thresholds below the bench says so
+and how to recalibrate; it changes nothing itself.
 """
 
 from __future__ import annotations
