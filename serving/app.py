@@ -31,6 +31,7 @@ from ray.serve import Application
 
 from pipeline.decode.batched import BatchedEngine
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.heap import freeze_startup_heap
 from pipeline.decode.policies.artifacts import (
     PolicyArtifacts,
     artifacts_beside,
@@ -130,6 +131,7 @@ class SpecboundServer:
             else DecodeWorker(self.engine, args.stall_timeout_s)
         )
         self.metrics = ServingMetrics()
+        freeze_startup_heap()  # no request waits on a collection of the loaded libraries
         log.info("specbound replica ready on %s (context %d)", self.pair.device, self.context)
 
     def check_health(self) -> None:

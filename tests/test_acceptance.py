@@ -19,6 +19,7 @@ from pipeline.acceptance.features import (
     distribution_stats,
     match_features,
     position_stats,
+    position_view,
     stats_of,
 )
 from pipeline.acceptance.logistic import fit_logistic
@@ -53,6 +54,35 @@ def test_the_per_token_stats_equal_the_batched_ones(dtype):
         rel = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the batched log is in bf16
         assert stats_of(probs) == pytest.approx(expected, rel=rel, abs=1e-6)
         assert position_stats(probs, NgramIndex(), [])[:4] == stats_of(probs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+def test_the_entropy_read_off_the_logits_is_the_distributions(temperature):
+    """With the logits (softmax(logits / T) is ``probs``) the entropy is one dot product; it
+    equals -sum p log p, and masked logits (-inf, a reduced draft vocabulary) fall back."""
+    gen = torch.Generator().manual_seed(1)
+    index, tail = NgramIndex(), [3, 5]
+    index.extend([3, 5, 7, 3, 5])
+    for scale in (0.5, 3.0, 12.0):
+        logits = scale * torch.randn(4096, generator=gen)
+        logits[7] += 4.0  # a clear top token, which continues "3 5" in the text
+        probs = torch.softmax(logits / temperature, -1)
+        view = position_view(probs, index, tail, logits, temperature)
+        assert view[1] == position_view(probs, index, tail)[1] == int(probs.argmax())
+        assert view[0] == pytest.approx(position_view(probs, index, tail)[0], rel=1e-4, abs=1e-5)
+    masked = torch.randn(64, generator=gen)
+    masked[::2] = float("-inf")
+    probs = torch.softmax(masked, -1)
+    assert position_view(probs, index, tail, masked)[0] == position_view(probs, index, tail)[0]
+
+
+def test_the_context_index_keeps_each_ngrams_two_latest_ends():
+    index = NgramIndex()
+    index.extend([1, 2, 1, 2])
+    index.extend([1])
+    assert index._ends[(1,)] == (4, 2) and index._ends[(1, 2)] == (3, 1)
+    assert index._ends[(2, 1)] == (4, 2) and index._ends[(1, 2, 1, 2, 1)] == (4, -1)
+    assert len(index._ends) == 9  # 1 2 1 2 1: two distinct n-grams for n = 1..4, one 5-gram
 
 
 def test_context_match_is_the_longest_ngram_already_in_the_text():
@@ -163,6 +193,8 @@ def test_spread_adds_the_recent_acceptance_term_to_each_percentile():
     assert low == pytest.approx([1 / (1 + np.exp(-(z + 0.2))) for z in (-1.0, 0.0, 1.0)])
     assert all(a < b for a, b in zip(low, high, strict=True)) and low == sorted(low)
     assert ModeModel(w, w, 0.7).spread_around(0.5) == pytest.approx([1 / (1 + np.exp(-1.0))])
+    for m, recent in ((mode, 0.1), (mode, 0.9), (ModeModel(w, w, 0.7), 0.5)):
+        assert m.spread_floor(recent) == pytest.approx(min(m.spread_around(recent)))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.acceptance.features import FEATURE_NAMES, logistic
+from pipeline.acceptance.features import FEATURE_NAMES, MAX_MATCH, logistic
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.acceptance.repeats import (
     RepeatMemory,
@@ -117,6 +117,21 @@ def test_the_next_model_reads_the_repeat_only_when_fitted():
     assert later == pytest.approx([logistic(0.5 - 2.0)] * 2)
     with pytest.raises(ValueError, match="repeat: expected 2 weights"):
         _mode([1.0])
+
+
+def test_the_outcome_lookup_from_the_context_match_is_the_full_ones():
+    """Given the tail's context match (no longer suffix occurs), the lookup starts there and
+    finds what the search from MAX_MATCH finds."""
+    rng = np.random.default_rng(3)
+    memory = RepeatMemory()
+    text = [int(t) for t in rng.integers(0, 5, size=300)]
+    for i, tok in enumerate(text):
+        memory.extend([tok])
+        memory.observe(i, bool(rng.integers(0, 2)))
+    for _ in range(300):
+        tail = [int(t) for t in rng.integers(0, 5, size=MAX_MATCH)]
+        longest = memory.match(tail[:-1], tail[-1])
+        assert memory.outcome(tail, longest) == memory.outcome(tail)
 
 
 def test_saved_repeat_weights_round_trip_and_older_files_load_without(tmp_path):

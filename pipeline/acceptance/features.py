@@ -27,6 +27,7 @@ FEATURE_NAMES = (
     "recent",
 )
 MAX_MATCH = 8  # the longest n-gram the context match looks for
+STATS_MATCH = FEATURE_NAMES.index("match") - 1  # where position_stats has it (no bias)
 
 
 class NgramIndex:
@@ -39,12 +40,15 @@ class NgramIndex:
         self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # (last end, the one before)
 
     def extend(self, tokens: list[int]) -> None:
+        text, ends = self.tokens, self._ends  # (locals: this runs for every committed token)
         for tok in tokens:
-            self.tokens.append(tok)
-            end = len(self.tokens)
-            for n in range(1, min(MAX_MATCH, end) + 1):
-                key = tuple(self.tokens[end - n :])
-                self._ends[key] = (end - 1, self._ends.get(key, (-1, -1))[0])
+            text.append(tok)
+            last = len(text) - 1
+            suffix = text[-MAX_MATCH:]
+            for start in range(len(suffix) - 1, -1, -1):  # n = 1 .. MAX_MATCH
+                key = tuple(suffix[start:])
+                before = ends.get(key)
+                ends[key] = (last, -1 if before is None else before[0])
 
     def match(self, tail: list[int], token: int) -> int:
         """The largest n such that the last n - 1 tokens of ``tail`` followed by ``token``
@@ -62,6 +66,11 @@ class NgramIndex:
 def match_features(n: int) -> list[float]:
     """The context match as model inputs: its length (scaled), and whether it reaches 2 and 4."""
     return [min(n, MAX_MATCH) / MAX_MATCH, float(n >= 2), float(n >= 4)]
+
+
+def match_length(stats: list[float]) -> int:
+    """The context match's n back from position_stats' features (its scaled length)."""
+    return round(stats[STATS_MATCH] * MAX_MATCH)
 
 
 def context_features(context: list[int], text: list[int], proposed: list[int]) -> list[list[float]]:
@@ -87,16 +96,29 @@ def distribution_stats(probs: torch.Tensor) -> torch.Tensor:
     return torch.stack([conf.clamp_min(1e-9).log(), conf, entropy, conf - top[..., 1]], dim=-1)
 
 
-def _top_stats(probs: torch.Tensor) -> tuple[list[float], int]:
+def _top_stats(
+    probs: torch.Tensor, logits: torch.Tensor | None = None, temperature: float = 1.0
+) -> tuple[list[float], int]:
     """distribution_stats of one distribution as floats, and its top token, with few tensor
-    operations (this runs once per draft token while deciding)."""
+    operations (this runs once per draft token while deciding). ``logits``: given when
+    ``probs`` is softmax(logits / temperature) exactly (no top-p): the entropy is then one dot
+    product, log Z - sum p z / T with log Z = z_top / T - log p_top, and no vocabulary-sized
+    temporary is made (after a draft forward, touching fresh memory is most of this call's
+    time)."""
     probs = probs.float()
     values, indices = probs.topk(2)
     top1, top2 = values.tolist()
-    # -sum p log p as one dot product, a quarter of entr().sum()'s time on a 4k vocabulary;
-    # the clamp keeps 0 * log 0 at 0 (top-p zeros, underflow) instead of nan.
-    entropy = -float(torch.dot(probs, probs.clamp_min(1e-30).log()))
-    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2], indices.tolist()[0]
+    top = indices.tolist()[0]
+    entropy = math.nan
+    if logits is not None:
+        logits = logits.float()
+        dot = float(logits[top]) - float(torch.dot(probs, logits))
+        entropy = dot / temperature - math.log(top1)
+    if not math.isfinite(entropy):  # no logits, or masked ones (-inf) in them
+        # -sum p log p as one dot product, a quarter of entr().sum()'s time on a 4k
+        # vocabulary; the clamp keeps 0 * log 0 at 0 (top-p zeros, underflow) instead of nan.
+        entropy = -float(torch.dot(probs, probs.clamp_min(1e-30).log()))
+    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2], top
 
 
 def stats_of(probs: torch.Tensor) -> list[float]:
@@ -112,11 +134,16 @@ def position_stats(probs: torch.Tensor, index: NgramIndex, tail: list[int]) -> l
 
 
 def position_view(
-    probs: torch.Tensor, index: NgramIndex, tail: list[int]
+    probs: torch.Tensor,
+    index: NgramIndex,
+    tail: list[int],
+    logits: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[list[float], int]:
     """position_stats and the distribution's top token, which a greedy drafter drafts: one
-    top-2 serves the features, the draft and its confidence (stats[1])."""
-    stats, top = _top_stats(probs)
+    top-2 serves the features, the draft and its confidence (stats[1]). ``logits``: given
+    when ``probs`` is softmax(logits / temperature) exactly (_top_stats: a cheaper entropy)."""
+    stats, top = _top_stats(probs, logits, temperature)
     return [*stats, *match_features(index.match(tail, top))], top
 
 

@@ -132,6 +132,12 @@ class ModeModel:
             )
         return logistic(self.head[0] + float(hidden.float().cpu() @ part))
 
+    def spread_floor(self, recent: float) -> float:
+        """min(spread_around(recent)), with one logistic (it is monotone)."""
+        w_recent = self.current[RECENT]
+        low = min(self.spread) if self.spread else self.current[0]
+        return logistic(low + w_recent * recent)
+
     def spread_around(self, recent: float) -> list[float]:
         """The next token's acceptance at each percentile of the spread, given recent
         acceptance (the `current` model, its draft-dependent part at the percentile)."""

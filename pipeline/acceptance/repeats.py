@@ -35,12 +35,13 @@ class RepeatMemory(NgramIndex):
     def observe(self, position: int, agreed: bool) -> None:
         self.agreed[position] = bool(agreed)
 
-    def outcome(self, tail: Sequence[int]) -> bool | None:
+    def outcome(self, tail: Sequence[int], longest: int = MAX_MATCH) -> bool | None:
         """The outcome after the most recent earlier occurrence in the committed text of the
         longest suffix of ``tail`` (the text's last tokens, chain included) whose follower's
         outcome is known (the latest occurrence may end at the last committed token); None
-        when there is none."""
-        for n in range(min(MAX_MATCH, len(tail)), MIN_REPEAT - 1, -1):
+        when there is none. ``longest``: no longer suffix occurs (the context match of the
+        tail's last token, NgramIndex.match, when the caller has it: none is looked up)."""
+        for n in range(min(MAX_MATCH, len(tail), longest), MIN_REPEAT - 1, -1):
             for end in self._ends.get(tuple(tail[len(tail) - n :]), ()):
                 if end >= 0 and (seen := self.agreed.get(end + 1)) is not None:
                     return seen

@@ -24,6 +24,7 @@ import numpy as np
 
 from pipeline.bench.guard import PolicyFailure, failure_lines
 from pipeline.decode.batched import BatchedEngine
+from pipeline.decode.heap import frozen_heap
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.types import SamplingConfig
@@ -80,22 +81,24 @@ def bench_batch(
                 continue
             engine.batcher.economy = None  # a batch's plan starts afresh
             where = f"batch {cell.batch}, repeat {rep + 1}"
-            t0 = time.perf_counter()
             try:
-                out = engine.generate_many(
-                    prompts,
-                    lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
-                    max_new_tokens,
-                    sampling,
-                    max_batch=cell.batch,
-                    stop_at_eos=False,
-                )
+                with frozen_heap():  # (pipeline.decode.heap)
+                    t0 = time.perf_counter()
+                    out = engine.generate_many(
+                        prompts,
+                        lambda c=cell: make_policy(c.name, artifacts, **c.knobs),
+                        max_new_tokens,
+                        sampling,
+                        max_batch=cell.batch,
+                        stop_at_eos=False,
+                    )
+                    seconds = time.perf_counter() - t0
             except Exception as exc:  # this cell only: the others go on
                 cell.failed = PolicyFailure.of(cell.label, where, exc)
                 progress(f"  {cell.failed.line()}")
                 record(cell.failed.record(batch=cell.batch))
                 continue
-            cell.tok_s.append(sum(len(g.tokens) for g in out) / (time.perf_counter() - t0))
+            cell.tok_s.append(sum(len(g.tokens) for g in out) / seconds)
             cell.steps.append(sum(len(g.steps) for g in out))
             record(
                 {

@@ -12,6 +12,7 @@ import torch
 
 from pipeline.bench.rows import BenchRow, make_row
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.heap import frozen_heap
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.types import SamplingConfig, StepRecord
@@ -58,19 +59,20 @@ def bench_policies(
     seconds = [0.0] * len(specs)
     outputs: list[list[list[int]]] = [[] for _ in specs]
     steps: list[list[list[StepRecord]]] = [[] for _ in specs]
-    for j, ids in enumerate(prompts):
-        progress(f"T={temperature:g} prompt {j + 1}/{len(prompts)}")
-        for turn in range(len(specs)):
-            i = (turn + j) % len(specs)
-            name, knobs, _ = specs[i]
-            policy = name(j) if callable(name) else make_policy(name, artifacts, **knobs)
-            session = engine.start(ids, policy, sampling, seed=first_seed + j)
-            started = time.perf_counter()
-            while len(session.generated) < max_new_tokens:
-                session.step()
-            seconds[i] += time.perf_counter() - started
-            outputs[i].append(list(session.generated))  # a last step may overshoot: paid for
-            steps[i].append(list(session.steps))
+    with frozen_heap():  # no full collection of the loaded libraries inside a timed decode
+        for j, ids in enumerate(prompts):
+            progress(f"T={temperature:g} prompt {j + 1}/{len(prompts)}")
+            for turn in range(len(specs)):
+                i = (turn + j) % len(specs)
+                name, knobs, _ = specs[i]
+                policy = name(j) if callable(name) else make_policy(name, artifacts, **knobs)
+                session = engine.start(ids, policy, sampling, seed=first_seed + j)
+                started = time.perf_counter()
+                while len(session.generated) < max_new_tokens:
+                    session.step()
+                seconds[i] += time.perf_counter() - started
+                outputs[i].append(list(session.generated))  # a last step may overshoot
+                steps[i].append(list(session.steps))
     return [
         make_row(name, knobs, label, temperature, seconds[i], outputs[i], steps[i])
         for i, (name, knobs, label) in enumerate(specs)
@@ -90,28 +92,29 @@ def bench_assisted(
     and subtracted, so it is comparable with the engine's step times."""
     pair.require_draft_model("transformers' assisted generation")
     tokens, seconds, outputs = 0, 0.0, []
-    for j, ids in enumerate(prompts):
-        torch.manual_seed(first_seed + j)
-        kwargs = {"do_sample": temperature > 0}
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-        x = torch.tensor([ids], device=pair.device)
-        started = time.perf_counter()
-        pair.target(x)
-        pair.draft(x)
-        prefill = time.perf_counter() - started
-        started = time.perf_counter()
-        out = pair.target.generate(
-            x,
-            assistant_model=pair.draft,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            pad_token_id=pair.tokenizer.eos_token_id,
-            **kwargs,
-        )
-        seconds += max(1e-9, time.perf_counter() - started - prefill)
-        tokens += out.shape[1] - len(ids)
-        outputs.append(out[0, len(ids) :].tolist())
+    with frozen_heap():  # as bench_policies
+        for j, ids in enumerate(prompts):
+            torch.manual_seed(first_seed + j)
+            kwargs = {"do_sample": temperature > 0}
+            if temperature > 0:
+                kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+            x = torch.tensor([ids], device=pair.device)
+            started = time.perf_counter()
+            pair.target(x)
+            pair.draft(x)
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            out = pair.target.generate(
+                x,
+                assistant_model=pair.draft,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=pair.tokenizer.eos_token_id,
+                **kwargs,
+            )
+            seconds += max(1e-9, time.perf_counter() - started - prefill)
+            tokens += out.shape[1] - len(ids)
+            outputs.append(out[0, len(ids) :].tolist())
     return BenchRow(
         "transformers assisted",
         temperature,

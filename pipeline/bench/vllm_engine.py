@@ -17,6 +17,7 @@ import torch
 
 from pipeline.decode.batched import BatchedEngine
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.heap import frozen_heap
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.types import Generation, SamplingConfig, StepRecord
@@ -144,7 +145,7 @@ def engine_runs(
                     sampling,
                     int(cell.get("seed", 0)),
                 )
-                with torch.no_grad():
+                with torch.no_grad(), frozen_heap():  # (pipeline.decode.heap)
                     res = _one_at_a_time(single, *args) if c == 1 else _batched(batched, *args, c)
                 steps = res.pop("steps")
                 res["tokens"] = sum(len(o) for o in res["outputs"])

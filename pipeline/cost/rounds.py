@@ -29,6 +29,7 @@ from pipeline.data.prompts import Prompt, encode
 from pipeline.data.schemas import ROUNDS_SCHEMA
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.engine import DecodeSession, SpeculativeEngine
+from pipeline.decode.heap import frozen_heap
 from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.simple import AutoregressivePolicy, FixedPolicy
 from pipeline.decode.types import Candidates, SamplingConfig
@@ -167,22 +168,23 @@ def collect_rounds(
         observer.warm_up(session)
     rows: list[dict] = []
     started = time.perf_counter()
-    for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
-        for k, look, mode in kinds:
-            gen_id = f"{prompt.prompt_id}|K{k}" + ("+look" if look else "")
-            if len(modes) > 1:
-                gen_id += f"|T{mode.temperature:g}"
-            observe = (
-                None
-                if observer is None
-                else partial(observer.after_step, gen_id=gen_id, category=prompt.category)
-            )
-            seed = (n - 1) * len(kinds) + kinds.index((k, look, mode))  # per generation
-            for row in _generation_rounds(
-                engine, ids, k, max_new_tokens, eos, repeats, look, observe, mode, seed
-            ):
-                rows.append({"gen_id": gen_id, "category": prompt.category, **row})
-        elapsed = time.perf_counter() - started
-        eta = elapsed / n * (len(prompts) - n)
-        log(f"[calibrate] prompt {n}/{len(prompts)}: {len(rows):,} rounds, ETA {eta:.0f}s")
+    with frozen_heap():  # no full collection of the loaded libraries inside a timed round
+        for n, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True), 1):
+            for k, look, mode in kinds:
+                gen_id = f"{prompt.prompt_id}|K{k}" + ("+look" if look else "")
+                if len(modes) > 1:
+                    gen_id += f"|T{mode.temperature:g}"
+                observe = (
+                    None
+                    if observer is None
+                    else partial(observer.after_step, gen_id=gen_id, category=prompt.category)
+                )
+                seed = (n - 1) * len(kinds) + kinds.index((k, look, mode))  # per generation
+                for row in _generation_rounds(
+                    engine, ids, k, max_new_tokens, eos, repeats, look, observe, mode, seed
+                ):
+                    rows.append({"gen_id": gen_id, "category": prompt.category, **row})
+            elapsed = time.perf_counter() - started
+            eta = elapsed / n * (len(prompts) - n)
+            log(f"[calibrate] prompt {n}/{len(prompts)}: {len(rows):,} rounds, ETA {eta:.0f}s")
     return pa.Table.from_pylist(rows, schema=ROUNDS_SCHEMA)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.acceptance.features import MAX_MATCH, position_view
+from pipeline.acceptance.features import MAX_MATCH, match_length, position_view
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
 from pipeline.acceptance.repeats import RepeatMemory
 from pipeline.cost.model import CostModel
@@ -187,12 +187,12 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         assert self.max_k is not None
         look = self._td[1]
         total = 0.0
-        spread = mode.spread_around(recent)
         # A plan's worth rises with acceptance: when the least likely percentile's drafting
-        # pays, every one does (the common case while drafting pays; one worth, not ten).
-        low = min(spread)
-        if plan_worth(self._td, self._tt, rho, 1.0, [low] * self.max_k, 1, 0, first_free=False) > 0:
+        # pays, every one does (the common case while drafting pays; one check, not ten).
+        low = [mode.spread_floor(recent)] * self.max_k
+        if plan_pays(self._td, self._tt, rho, 1.0, low, 1, 0, first_free=False):
             return True
+        spread = mode.spread_around(recent)
         for a in spread:
             total += max(
                 plan_worth(self._td, self._tt, rho, 1.0, [a] * self.max_k, 1, 0, first_free=False),
@@ -231,12 +231,17 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         tail = committed[-(MAX_MATCH - 1) :]
         greedy = drafter.sampling.greedy
         repeats = self.outcomes.memory is not None
+        # softmax(logits / T) is `probs` unless top-p cut it: the statistics then read the
+        # logits too (a cheaper entropy).
+        exact = greedy or drafter.sampling.top_p >= 1.0
+        temperature = 1.0 if greedy else drafter.sampling.temperature
         for j in range(self._room()):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
+            logits = drafter.logits[-1] if exact else None  # type: ignore[index]
             # This token, and the ones after it, each given the ones before it accepted.
-            stats, top = position_view(probs, self._index, tail)
+            stats, top = position_view(probs, self._index, tail, logits, temperature)
             room = self._room() - j - 1  # chain tokens after this one the pass has room for
-            seen = self._index.outcome([*tail, top]) if repeats else None
+            seen = self._index.outcome([*tail, top], match_length(stats)) if repeats else None
             a_now, later = mode.chain_view(
                 stats, recent, state, room, decay, self.outcomes.offset, seen
             )
