@@ -1,6 +1,7 @@
 """The heap a timed decode runs against (pipeline.decode.heap): inside ``frozen_heap`` what
 existed before is left out of collections, cycles made inside are still collected, and on
-the way out (an error included) the heap is as collectable as before."""
+the way out (an error included) the heap is as collectable as before, unless it was frozen for
+good (a serving replica's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import weakref
 
 import pytest
 
-from pipeline.decode.heap import frozen_heap
+from pipeline.decode.heap import freeze_startup_heap, frozen_heap
 
 
 class Node:
@@ -37,3 +38,15 @@ def test_an_error_inside_unfreezes_the_heap():
     with pytest.raises(RuntimeError), frozen_heap():
         raise RuntimeError("a decode failed")
     assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_for_good_stays_frozen():
+    try:
+        freeze_startup_heap()
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            made_inside = [Node() for _ in range(10)]
+        assert gc.get_freeze_count() >= frozen > 0
+        del made_inside
+    finally:
+        gc.unfreeze()  # (the test process itself goes on collecting)

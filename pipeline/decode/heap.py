@@ -19,13 +19,16 @@ from contextlib import contextmanager
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Collect, then leave every object that exists now out of the collections made inside."""
+    """Collect, then leave every object that exists now out of the collections made inside.
+    In a process whose heap was frozen for good (freeze_startup_heap) it stays frozen."""
+    for_good = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not for_good:
+            gc.unfreeze()
 
 
 def freeze_startup_heap() -> None:
