@@ -100,6 +100,18 @@ def test_a_reduced_draft_vocabulary_maps_into_the_targets(target):
     assert head.t2d.sum() == 200 and head.t2d[kept].all()
 
 
+@pytest.mark.parametrize(("draft_vocab", "masked"), [(200, True), (None, False)])
+def test_a_reduced_vocabulary_heads_drafter_says_its_logits_are_masked(target, draft_vocab, masked):
+    """The statistics read the logits only where no id is -inf (features._top_stats)."""
+    head = tiny_head(target, draft_vocab=draft_vocab) if draft_vocab else tiny_head(target)
+    session = SpeculativeEngine(head_pair(target, head)).start(
+        [3, 9, 27], make_policy("fixed", k=2)
+    )
+    assert session.drafter.masked_logits is masked
+    session.step()
+    assert bool(torch.isinf(session.drafter.logits).any()) is masked
+
+
 def test_a_head_without_embeddings_shares_the_targets(tmp_path, target):
     head = tiny_head(target)
     save_head(head, tmp_path / "h", "speculators", include_embed=False)

@@ -103,15 +103,19 @@ def _top_stats(
     operations (this runs once per draft token while deciding). ``logits``: given when
     ``probs`` is softmax(logits / temperature) exactly (no top-p): the entropy is then one dot
     product, log Z - sum p z / T with log Z = z_top / T - log p_top, and no vocabulary-sized
-    temporary is made (after a draft forward, touching fresh memory is most of this call's
-    time)."""
-    probs = probs.float()
+    temporary is made. After a draft forward each tensor call here costs several times what
+    it costs warm (the forward evicted torch's code from the caches, not the data: the same
+    call on a tensor the forward never touched costs as much), so the calls are few and
+    conversions are made only when needed."""
+    if probs.dtype != torch.float32:
+        probs = probs.float()
     values, indices = probs.topk(2)
     top1, top2 = values.tolist()
     top = indices.tolist()[0]
     entropy = math.nan
     if logits is not None:
-        logits = logits.float()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         dot = float(logits[top]) - float(torch.dot(probs, logits))
         entropy = dot / temperature - math.log(top1)
     if not math.isfinite(entropy):  # no logits, or masked ones (-inf) in them

@@ -71,6 +71,14 @@ class ModeModel:
             parts["both"] = torch.stack([parts["current"], parts["next"]], dim=1)  # [H, 2]
         object.__setattr__(self, "_hidden_weights", parts)
 
+    def _hidden_product(self, hidden: torch.Tensor, name: str) -> Any:
+        """``hidden`` (the draft's state) times the hidden-state weights ``name``, as floats.
+        The state is moved and cast only when it must be: this runs once per draft forward,
+        where even a conversion that does nothing costs microseconds."""
+        if not hidden.is_cpu or hidden.dtype != torch.float32:
+            hidden = hidden.float().cpu()
+        return (hidden @ self._hidden_weights[name]).tolist()  # type: ignore[attr-defined]
+
     def chain_view(
         self,
         stats: list[float],
@@ -95,7 +103,7 @@ class ModeModel:
         else:
             k = len(FEATURE_NAMES)
             f = feature_vector(stats, recent)
-            h_cur, h_next = (hidden.float().cpu() @ both).tolist()
+            h_cur, h_next = self._hidden_product(hidden, "both")
             z_cur = h_cur + sum(w * x for w, x in zip(self.current[:k], f, strict=True))
             z_next = h_next + sum(w * x for w, x in zip(self.next[:k], f, strict=True))
         z_cur, z_next = z_cur + offset, z_next + offset
@@ -119,7 +127,7 @@ class ModeModel:
         if part is not None:
             if hidden is None:
                 raise ValueError("this acceptance model reads the draft's hidden state")
-            z += float(hidden.float().cpu() @ part)
+            z += self._hidden_product(hidden, name)
         return z
 
     def p_head(self, hidden: torch.Tensor) -> float:
@@ -130,7 +138,7 @@ class ModeModel:
                 "the acceptance model has no SpecDec++-style head; retrain it "
                 "with python -m jobs.train_acceptance"
             )
-        return logistic(self.head[0] + float(hidden.float().cpu() @ part))
+        return logistic(self.head[0] + self._hidden_product(hidden, "head"))
 
     def spread_floor(self, recent: float) -> float:
         """min(spread_around(recent)), with one logistic (it is monotone)."""

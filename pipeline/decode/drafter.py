@@ -31,6 +31,9 @@ class Drafter:
     # of text position cached() + r + ROW_AHEAD: a draft model's row reads the token at its
     # own position (an EAGLE-3 head's reads the next one: 2).
     ROW_AHEAD = 1
+    # Whether some logits are -inf by construction (a head's reduced vocabulary): statistics
+    # that read the logits (features._top_stats) then have to read the distribution instead.
+    masked_logits = False
 
     def __init__(
         self,

@@ -29,6 +29,7 @@ class HeadDrafter(Drafter):
         super().__init__(*args, **kwargs)
         head: Eagle3Head = self.pair.draft
         self.head = head
+        self.masked_logits = head.cfg.draft_vocab_size < head.cfg.vocab_size
         self.tap = feature_tap(self.pair.target, head.cfg.aux_layer_ids)
         # Target features of committed positions the cache lacks: rows for positions
         # feats_start, feats_start + 1, ...

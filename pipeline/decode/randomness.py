@@ -30,7 +30,11 @@ class TorchRandom:
         self.generator = torch.Generator().manual_seed(seed)
 
     def categorical(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs.detach().cpu().float(), 1, generator=self.generator))
+        # Moved and cast only when they must be: this runs once per drafted token, right after
+        # a forward, where even a call that does nothing costs microseconds.
+        if probs.requires_grad or not probs.is_cpu or probs.dtype != torch.float32:
+            probs = probs.detach().cpu().float()
+        return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def bernoulli(self, p: float) -> bool:
         # rand is in [0, 1): p >= 1 is always True, p <= 0 never.

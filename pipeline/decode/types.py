@@ -21,7 +21,8 @@ class SamplingConfig:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Next-token distribution(s) after temperature and top-p (float32)."""
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # (a no-op call still costs after a forward)
+            logits = logits.float()
         if self.greedy:
             return torch.softmax(logits, dim=-1)
         probs = torch.softmax(logits / self.temperature, dim=-1)

@@ -54,7 +54,10 @@ def main(acceptance: str, specs: list[str]) -> None:
         res = {}
         for spec in FIXED + specs:
             name, _, kv = spec.partition(":")
-            knobs = {k: int(v) for k, v in (x.split("=") for x in kv.split(";") if x)}
+            knobs = {
+                k: v == "true" if v in ("true", "false") else float(v) if "." in v else int(v)
+                for k, v in (x.split("=") for x in kv.split(";") if x)
+            }
             ar = ms = 0.0
             accepted = steps = 0
             for ids in prompts:

@@ -232,8 +232,8 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         greedy = drafter.sampling.greedy
         repeats = self.outcomes.memory is not None
         # softmax(logits / T) is `probs` unless top-p cut it: the statistics then read the
-        # logits too (a cheaper entropy).
-        exact = greedy or drafter.sampling.top_p >= 1.0
+        # logits too (a cheaper entropy), unless a reduced vocabulary put -inf in them.
+        exact = (greedy or drafter.sampling.top_p >= 1.0) and not drafter.masked_logits
         temperature = 1.0 if greedy else drafter.sampling.temperature
         for j in range(self._room()):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
