@@ -3,24 +3,23 @@ draft forwards its chains ran, for each policy spec: the bench's 8 prompts per d
 tokens, T = 0. With trust_above.diff or sure_at.diff applied (git apply), it counts the
 tokens those variants drafted without reading. Run from the repository root:
 
-    python docs/results/cold_decisions_2026-12-04/decisions_read.py ARTIFACTS SPEC...
+    PYTHONPATH=.:docs/results/repeat_outcomes_2026-12-04 python \\
+        docs/results/cold_decisions_2026-12-04/decisions_read.py ARTIFACTS SPEC...
 
 ARTIFACTS: models (the 1-layer pair) or models/eagle3-head."""
 
 import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
+from step_parts import load
 
 from pipeline.data.domains import load_domain
 from pipeline.data.prompts import encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies import throughput
-from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR, load_artifacts
 from pipeline.decode.policies.registry import make_policy
 from pipeline.decode.types import SamplingConfig
-from pipeline.models.loading import load_pair
 
 READS: Counter = Counter()
 _view = throughput.position_view
@@ -34,18 +33,7 @@ def counted_view(*args, **kwargs):
 def main(artifacts: str, specs: list[str]) -> None:
     torch.set_num_threads(1)
     throughput.position_view = counted_view
-    head = "eagle3" in artifacts
-    d = Path(artifacts)
-    pair = load_pair(
-        "models/target", artifacts if head else "models/draft", "cpu", "float32", "eager"
-    )
-    art = (
-        load_artifacts(
-            DEFAULT_PREDICTOR, d / "costmodel.json", d / "policy.json", "cpu", d / "acceptance.json"
-        )
-        if head
-        else load_artifacts()
-    )
+    pair, art = load(artifacts)
     engine = SpeculativeEngine(pair)
     for spec in specs:
         name, _, kv = spec.partition(":")

@@ -4,19 +4,22 @@ follow pipeline/decode/policies/throughput.py's propose line for line; only the 
 added. Run from the repository root:
 
     PYTHONPATH=.:docs/results/repeat_outcomes_2026-12-04 python \\
-        docs/results/heap_and_prices_2026-12-04/decision_sections.py
+        docs/results/heap_and_prices_2026-12-04/decision_sections.py [ARTIFACTS [DOMAINS]]
+
+ARTIFACTS: models/eagle3-head (the default) or models (the 1-layer pair); DOMAINS:
+comma-separated (default code,prose,math). "Head forwards" are the draft's, whichever the draft.
 
 (The evening_2026-12-04 copy, updated as propose was: the statistics read the logits, the
 repeat lookup starts from the context match; and the decodes run against a frozen heap,
 as the benches' now do.)
 """
 
+import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-from step_parts import build
+from step_parts import build, load
 
 from pipeline.acceptance.features import MAX_MATCH, match_length, position_view
 from pipeline.data.domains import load_prompts
@@ -24,10 +27,8 @@ from pipeline.data.prompts import encode
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.heap import frozen_heap
 from pipeline.decode.policies import throughput
-from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR, load_artifacts
 from pipeline.decode.policies.plan_worth import plan_pays
 from pipeline.decode.types import Candidates, SamplingConfig
-from pipeline.models.loading import load_pair
 
 SECTIONS: dict[str, float] = defaultdict(float)
 clock = time.perf_counter
@@ -114,18 +115,14 @@ def timed_propose(self, drafter, committed):  # throughput.ThroughputPolicy.prop
     return cands
 
 
-def main() -> None:
+def main(artifacts: str, domains: list[str]) -> None:
     torch.set_num_threads(1)
     throughput.ThroughputPolicy.propose = timed_propose
-    d = Path("models/eagle3-head")
-    pair = load_pair("models/target", str(d), "cpu", "float32", "eager")
-    art = load_artifacts(
-        DEFAULT_PREDICTOR, d / "costmodel.json", d / "policy.json", "cpu", d / "acceptance.json"
-    )
+    pair, art = load(artifacts)
     engine = SpeculativeEngine(pair)
     prompts = [
         encode(pair.tokenizer, p.text, keep_last=512)
-        for dom in ["code", "prose", "math"]
+        for dom in domains
         for p in load_prompts(dom, 8)
     ]
     total, steps = 0.0, 0
@@ -139,7 +136,7 @@ def main() -> None:
                 total += clock() - t0
                 steps += len(session.steps)
     n = SECTIONS.pop("decisions")
-    print(f"total {total * 1e3:.0f} ms, {steps} steps, {n:.0f} decisions (one per head forward)")
+    print(f"total {total * 1e3:.0f} ms, {steps} steps, {n:.0f} decisions (one per draft forward)")
     for name, s in SECTIONS.items():
         print(
             f"{name:26s} {s * 1e3:8.1f} ms {s / total:6.1%}  {s / n * 1e6:6.1f} us/decision "
@@ -148,4 +145,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "models/eagle3-head",
+        sys.argv[2].split(",") if len(sys.argv) > 2 else ["code", "prose", "math"],
+    )

@@ -49,8 +49,8 @@ def build(spec: str, art):
     return make_policy(name, art, **knobs)
 
 
-def main(artifacts: str, specs: list[str], domains: list[str]) -> None:
-    torch.set_num_threads(1)
+def load(artifacts: str):
+    """(pair, artifacts): ``models`` (the 1-layer pair) or ``models/eagle3-head``."""
     head = "eagle3" in artifacts
     pair = load_pair(
         "models/target", artifacts if head else "models/draft", "cpu", "float32", "eager"
@@ -63,6 +63,12 @@ def main(artifacts: str, specs: list[str], domains: list[str]) -> None:
         if head
         else load_artifacts()
     )
+    return pair, art
+
+
+def main(artifacts: str, specs: list[str], domains: list[str]) -> None:
+    torch.set_num_threads(1)
+    pair, art = load(artifacts)
     engine = SpeculativeEngine(pair)
     prompts = [
         encode(pair.tokenizer, p.text, keep_last=512)
