@@ -103,7 +103,7 @@ def test_a_reduced_draft_vocabulary_maps_into_the_targets(target):
 @pytest.mark.parametrize(("draft_vocab", "masked"), [(200, True), (None, False)])
 def test_a_reduced_vocabulary_heads_drafter_says_its_logits_are_masked(target, draft_vocab, masked):
     """The statistics read the logits only where no id is -inf (features._top_stats)."""
-    head = tiny_head(target, draft_vocab=draft_vocab) if draft_vocab else tiny_head(target)
+    head = tiny_head(target, draft_vocab=draft_vocab)
     session = SpeculativeEngine(head_pair(target, head)).start(
         [3, 9, 27], make_policy("fixed", k=2)
     )
