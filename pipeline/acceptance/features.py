@@ -12,8 +12,12 @@ number read off the draft's distribution.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.acceptance.native_reads import NativeReads, Reads
 
 FEATURE_NAMES = (
     "bias",
@@ -122,7 +126,12 @@ def _top_stats(
         # -sum p log p as one dot product, a quarter of entr().sum()'s time on a 4k
         # vocabulary; the clamp keeps 0 * log 0 at 0 (top-p zeros, underflow) instead of nan.
         entropy = -float(torch.dot(probs, probs.clamp_min(1e-30).log()))
-    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2], top
+    return _four_stats(top1, top2, entropy), top
+
+
+def _four_stats(top1: float, top2: float, entropy: float) -> list[float]:
+    """distribution_stats' four numbers, as floats."""
+    return [math.log(max(top1, 1e-9)), top1, entropy, top1 - top2]
 
 
 def stats_of(probs: torch.Tensor) -> list[float]:
@@ -149,6 +158,35 @@ def position_view(
     when ``probs`` is softmax(logits / temperature) exactly (_top_stats: a cheaper entropy)."""
     stats, top = _top_stats(probs, logits, temperature)
     return [*stats, *match_features(index.match(tail, top))], top
+
+
+def position_view_of_reads(
+    reads: Reads, index: NgramIndex, tail: list[int], temperature: float = 1.0
+) -> tuple[list[float], int]:
+    """position_view from the compiled reads of the position (native_reads; the entropy from
+    z_top - p.z as _top_stats takes it from the logits)."""
+    top1, top2, top, z_dot, _ = reads
+    entropy = z_dot / temperature - math.log(top1)
+    return [*_four_stats(top1, top2, entropy), *match_features(index.match(tail, top))], top
+
+
+def read_position(
+    probs: torch.Tensor,
+    index: NgramIndex,
+    tail: list[int],
+    logits: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    hidden: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    native: NativeReads | None = None,
+) -> tuple[list[float], int, list[float] | None]:
+    """position_view, made by one compiled call where ``native`` can (then with ``hidden`` times
+    the acceptance model's hidden-state ``weights`` [H, 2] too; None when not read here)."""
+    if native is not None and logits is not None and hidden is not None and weights is not None:
+        reads = native.read(probs, logits, hidden, weights)
+        if reads is not None:
+            return (*position_view_of_reads(reads, index, tail, temperature), reads[4])
+    return (*position_view(probs, index, tail, logits, temperature), None)
 
 
 def feature_vector(stats: list[float], recent: float) -> list[float]:

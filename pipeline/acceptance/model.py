@@ -71,6 +71,11 @@ class ModeModel:
             parts["both"] = torch.stack([parts["current"], parts["next"]], dim=1)  # [H, 2]
         object.__setattr__(self, "_hidden_weights", parts)
 
+    def hidden_weights(self, name: str) -> torch.Tensor | None:
+        """The hidden-state weights of ``current``, ``next``, ``both`` ([H, 2]) or ``head``;
+        None when the model reads no hidden state."""
+        return self._hidden_weights.get(name)  # type: ignore[attr-defined]
+
     def _hidden_product(self, hidden: torch.Tensor, name: str) -> Any:
         """``hidden`` (the draft's state) times the hidden-state weights ``name``, as floats.
         The state is moved and cast only when it must be: this runs once per draft forward,
@@ -88,6 +93,7 @@ class ModeModel:
         decay: float,
         offset: float = 0.0,
         repeat: bool | None = None,
+        products: list[float] | None = None,
     ) -> tuple[float, list[float]]:
         """P(the token about to be drafted is accepted), then the `next` model for the n
         tokens after it along the path where each is accepted (what a later token's worth is
@@ -95,7 +101,9 @@ class ModeModel:
         draft's features as seen here. One product against the hidden state serves both
         models (a decision per draft token); ``offset`` is added to every logit (the policy's
         online correction); ``repeat``: the outcome after this context's last occurrence
-        (RepeatMemory.outcome; None: unknown or not asked), read by `next` when fitted."""
+        (RepeatMemory.outcome; None: unknown or not asked), read by `next` when fitted;
+        ``products``: ``hidden`` times the two hidden-state weight vectors, when the caller
+        has them already (native_reads)."""
         both = self._hidden_weights.get("both")  # type: ignore[attr-defined]
         if both is None or hidden is None:
             z_cur = self._logit("current", stats, recent, hidden)
@@ -103,7 +111,7 @@ class ModeModel:
         else:
             k = len(FEATURE_NAMES)
             f = feature_vector(stats, recent)
-            h_cur, h_next = self._hidden_product(hidden, "both")
+            h_cur, h_next = products or self._hidden_product(hidden, "both")
             z_cur = h_cur + sum(w * x for w, x in zip(self.current[:k], f, strict=True))
             z_next = h_next + sum(w * x for w, x in zip(self.next[:k], f, strict=True))
         z_cur, z_next = z_cur + offset, z_next + offset

@@ -7,7 +7,9 @@ the distribution it produced. Run from the repository root on a quiet machine:
 
 Variants: the tensor calls one decision makes, alone and together (`stats + hidden, before`:
 features._top_stats and the hidden-state product as they were, each casting its inputs; `now`:
-casting only what is not float32 already, as they do now)."""
+casting only what is not float32 already, as they do now; `one compiled call`: the same reads
+made by pipeline.acceptance.native_reads, as `throughput` makes them where a C compiler
+exists)."""
 
 import math
 import time
@@ -15,6 +17,7 @@ import time
 import torch
 
 from pipeline.acceptance import features
+from pipeline.acceptance.native_reads import native_reads
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.randomness import TorchRandom
 from pipeline.decode.types import SamplingConfig
@@ -24,6 +27,7 @@ torch.set_num_threads(1)
 pair = load_pair("models/target", "models/draft", "cpu", "float32", "eager")
 other = torch.softmax(torch.randn(pair.draft.config.vocab_size), -1)  # never near a forward
 both = torch.randn(pair.draft.config.hidden_size, 2)
+NATIVE = native_reads()  # (None without a C compiler: that variant then fails)
 
 
 def stats_before(probs, logits, hidden):  # features._top_stats and the product, as they were
@@ -60,6 +64,7 @@ VARIANTS = {
     "hidden @ weights": lambda p, z, h: (h @ both).tolist(),
     "stats + hidden, before": stats_before,
     "stats + hidden, now": stats_now,
+    "the same, one compiled call": lambda p, z, h: NATIVE.read(p, z, h, both),
 }
 
 

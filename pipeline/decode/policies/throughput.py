@@ -37,8 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.acceptance.features import MAX_MATCH, match_length, position_view
+from pipeline.acceptance.features import MAX_MATCH, match_length, read_position
 from pipeline.acceptance.model import AcceptanceModel, ModeModel
+from pipeline.acceptance.native_reads import native_reads
 from pipeline.acceptance.repeats import RepeatMemory
 from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
@@ -235,15 +236,20 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         # logits too (a cheaper entropy), unless a reduced vocabulary put -inf in them.
         exact = (greedy or drafter.sampling.top_p >= 1.0) and not drafter.masked_logits
         temperature = 1.0 if greedy else drafter.sampling.temperature
+        # One compiled call reads the position where it can (native_reads: the same numbers).
+        weights = mode.hidden_weights("both")
+        native = native_reads() if exact and weights is not None else None
         for j in range(self._room()):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             logits = drafter.logits[-1] if exact else None  # type: ignore[index]
             # This token, and the ones after it, each given the ones before it accepted.
-            stats, top = position_view(probs, self._index, tail, logits, temperature)
+            stats, top, products = read_position(
+                probs, self._index, tail, logits, temperature, state, weights, native
+            )
             room = self._room() - j - 1  # chain tokens after this one the pass has room for
             seen = self._index.outcome([*tail, top], match_length(stats)) if repeats else None
             a_now, later = mode.chain_view(
-                stats, recent, state, room, decay, self.outcomes.offset, seen
+                stats, recent, state, room, decay, self.outcomes.offset, seen, products
             )
             self.outcomes.predicted.append(a_now)
             # A probe drafts one token whatever it is worth: recent acceptance needs outcomes.
