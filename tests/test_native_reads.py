@@ -7,6 +7,7 @@ they say so and the tensor calls read."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -63,6 +64,27 @@ def test_tensors_that_do_not_suit_are_left_to_the_tensor_calls(native):
     masked = logits.clone()
     masked[3] = float("-inf")  # a reduced vocabulary's logits
     assert native.read(torch.softmax(masked, -1), masked, hidden, weights) is None
+
+
+def test_threads_reading_at_once_each_get_their_own_reads(native):
+    """The C call releases the GIL: two threads reading different positions at once must not
+    see each other's numbers (a serving replica decodes requests in threads)."""
+    positions = [_position(4096, 128, 1.0, seed) for seed in (1, 2)]
+    expected = [native.read(*pos) for pos in positions]
+    assert expected[0][2] != expected[1][2]
+    wrong = []
+
+    def reader(i: int) -> None:
+        for _ in range(3000):
+            if native.read(*positions[i]) != expected[i]:
+                wrong.append(i)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
 
 
 def test_switched_off_the_reads_are_the_tensor_calls(monkeypatch):

@@ -24,6 +24,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -59,15 +60,15 @@ Reads = tuple[float, float, int, float, list[float]]  # top1, top2, top, z_top -
 
 
 class NativeReads:
-    """The compiled reads, with their output buffer."""
+    """The compiled reads, with an output buffer per thread (the call releases the GIL, and a
+    serving replica decodes requests in several threads)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.specbound_reads
         ptr, long = ctypes.c_void_p, ctypes.c_long
         self._fn.argtypes = [ptr, ptr, long, ptr, ptr, long, ptr]
         self._fn.restype = None
-        self._out = (ctypes.c_double * 6)()
-        self._out_ptr = ctypes.addressof(self._out)
+        self._local = threading.local()
         self._weights: torch.Tensor | None = None
 
     def read(
@@ -85,6 +86,9 @@ class NativeReads:
         v, n = probs.shape[-1], hidden.shape[-1]
         if probs.dim() != 1 or logits.shape != probs.shape or weights.shape[0] != n:
             return None
+        out = getattr(self._local, "out", None)
+        if out is None:
+            out = self._local.out = (ctypes.c_double * 6)()
         self._fn(
             probs.data_ptr(),
             logits.data_ptr(),
@@ -92,9 +96,9 @@ class NativeReads:
             hidden.data_ptr(),
             weights.data_ptr(),
             n,
-            self._out_ptr,
+            ctypes.addressof(out),
         )
-        top1, top2, top, z_dot, a, b = self._out
+        top1, top2, top, z_dot, a, b = out
         if not math.isfinite(z_dot):
             return None
         return top1, top2, int(top), z_dot, [a, b]
