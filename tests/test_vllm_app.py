@@ -41,6 +41,8 @@ SETTINGS = {
     "max_replicas": 2,
     "target_ongoing_requests": 2,
     "max_ongoing_requests": 8,
+    # The target's own limit: room for the deadline test's requests that must outlast it.
+    "max_model_len": 2048,
 }
 MODEL = "specbound"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -187,7 +189,7 @@ def test_cpu_engine_placement_and_replicas():
     assert (engine["dtype"], engine["enforce_eager"], engine["max_model_len"]) == (
         "float32",
         True,
-        1024,
+        2048,
     )
     env = config["runtime_env"]["env_vars"]
     assert env["PYTHONPATH"] == str(ROOT)
@@ -486,7 +488,7 @@ def _cancelled(app: App, request_id: str, timeout_s: float = 15) -> bool:
 
 @pytest.mark.slow
 def test_deadline_ends_a_stream_and_times_out_a_whole_response(app):
-    long = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True}
+    long = {**COMPLETION, "max_tokens": 2000, "ignore_eos": True}
     before = app.metrics().get("ray_vllm_generation_tokens_total", 0.0)
     ids = {kind: f"deadline-{kind}-{uuid.uuid4().hex}" for kind in ("stream", "whole")}
     results: dict[str, tuple] = {}
@@ -495,17 +497,18 @@ def test_deadline_ends_a_stream_and_times_out_a_whole_response(app):
         start = time.monotonic()
         with app.client() as c:
             got = _stream(
-                c, "/v1/completions", {**long, "n": 2}, headers={"X-Request-Id": ids["stream"]}
+                c, "/v1/completions", {**long, "n": 4}, headers={"X-Request-Id": ids["stream"]}
             )
         results["stream"] = (*got, time.monotonic() - start)
 
     def whole() -> None:
-        # Four choices of 1000 tokens: more than the stream's two, which its deadline cuts
-        # short. One choice alone fit in the deadline once the machine ran fast enough.
+        # Eight choices of 2000 tokens beside the stream's four. Both must outlast the 6 s
+        # deadline on any machine CI lands on: here a choice got 600-650 tokens by then; at
+        # 1000 tokens, first one choice, later two, fit inside it on fast CI machines.
         start = time.monotonic()
         with app.client() as c:
             r = c.post(
-                "/v1/completions", json={**long, "n": 4}, headers={"X-Request-Id": ids["whole"]}
+                "/v1/completions", json={**long, "n": 8}, headers={"X-Request-Id": ids["whole"]}
             )
         results["whole"] = (r.status_code, r.json(), time.monotonic() - start)
 
@@ -523,8 +526,7 @@ def test_deadline_ends_a_stream_and_times_out_a_whole_response(app):
     assert len(chunks) > 10  # it streamed tokens until the deadline
     *tokens, last = chunks
     assert [(c["index"], c["finish_reason"]) for c in last["choices"]] == [
-        (0, "deadline"),
-        (1, "deadline"),
+        (i, "deadline") for i in range(4)
     ]
     assert last["id"] == tokens[0]["id"] and last["object"] == "text_completion"
     assert all(c["finish_reason"] is None for t in tokens for c in t["choices"])
@@ -545,8 +547,8 @@ def test_deadline_ends_a_stream_and_times_out_a_whole_response(app):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert time.monotonic() - start < 3
     # Ray exports every few seconds: wait for an export with the deadline requests' tokens
-    # and none running (had vLLM not aborted them, that comes only after all six choices'
-    # 6000 tokens).
+    # and none running (had vLLM not aborted them, that comes only after all twelve
+    # choices' 24,000 tokens).
     ends = time.monotonic() + 45
     while time.monotonic() < ends:
         now = app.metrics()
@@ -556,7 +558,7 @@ def test_deadline_ends_a_stream_and_times_out_a_whole_response(app):
         time.sleep(1)
     else:
         pytest.fail("no metrics export with the deadline requests finished within 45 s")
-    at_most = (2 + 4) * long["max_tokens"]  # the stream's two choices, the response's four
+    at_most = (4 + 8) * long["max_tokens"]  # the stream's four choices, the response's eight
     print(f"deadline: vLLM generated {generated:.0f} of at most {at_most} tokens")
     assert generated < at_most, f"vLLM generated {generated:.0f} tokens"
 
