@@ -236,9 +236,10 @@ class ThroughputPolicy(AcceptanceChainPolicy):
         # logits too (a cheaper entropy), unless a reduced vocabulary put -inf in them.
         exact = (greedy or drafter.sampling.top_p >= 1.0) and not drafter.masked_logits
         temperature = 1.0 if greedy else drafter.sampling.temperature
-        # One compiled call reads the position where it can (native_reads: the same numbers).
+        # One compiled call reads the position where it can (native_reads: the same numbers;
+        # host memory only, so a GPU's step decides here, not on every read).
         weights = mode.hidden_weights("both")
-        native = native_reads() if exact and weights is not None else None
+        native = native_reads() if exact and weights is not None and probs.is_cpu else None
         for j in range(self._room()):
             state = drafter.hidden[-1]  # the draft's state that produced `probs`
             logits = drafter.logits[-1] if exact else None  # type: ignore[index]
