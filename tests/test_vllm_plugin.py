@@ -1,0 +1,149 @@
+"""The project's vLLM plugin (pipeline.vllm_spec.plugin) in real vLLM (its CPU build, the
+plugin installed by make vllm-env): a draft that skips steps proposes what a draft that never
+skipped proposes, sampled speculation accepts what the math says, a wrong vLLM is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.vllm_spec.env import engine_env, vllm_python
+from pipeline.vllm_spec.plugin import check_version, parts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _vllm_python() -> Path:
+    try:
+        return vllm_python()
+    except FileNotFoundError as exc:
+        pytest.skip(f"{exc} (make test builds it)")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(_vllm_python()), "-c", code],
+        env=engine_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """tests/vllm_plugin_scenarios.py's results (one process, six engine starts)."""
+    python = _vllm_python()
+    out = tmp_path_factory.mktemp("plugin") / "out.json"
+    done = subprocess.run(
+        [str(python), str(ROOT / "tests" / "vllm_plugin_scenarios.py"), str(out)],
+        env=engine_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _compare(scenarios, name: str) -> tuple[int, int]:
+    never, other = scenarios["never_skipped"]["proposals"], scenarios[name]["proposals"]
+    common = sorted(set(never) & set(other))
+    return len(common), sum(never[key] != other[key] for key in common)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["skipped", "skipped_flushing"])
+def test_a_draft_that_skips_steps_proposes_what_one_that_never_skipped_does(scenarios, run):
+    stats = scenarios[run]["stats"]
+    assert stats["skipped"] > 0.5 * stats["steps"]  # stretches of 1-20 skipped steps
+    assert stats["caught_up"] > 0
+    common, differ = _compare(scenarios, run)
+    assert common >= 20, "too few proposals at the same committed text to compare"
+    assert differ == 0
+    assert scenarios[run]["text"] == scenarios["plain"]
+    if run == "skipped_flushing":
+        assert stats["flushed"] > 0  # a full backlog ran the forward at k = 0
+
+
+@pytest.mark.slow
+def test_skipping_without_catching_up_would_be_caught(scenarios):
+    """The comparison above has power: the same skips without the catch-up draft from a stale
+    KV cache and propose other tokens (the text stays greedy: vLLM verifies every token)."""
+    common, differ = _compare(scenarios, "skipped_stale")
+    assert common >= 20 and differ > 0
+    assert scenarios["skipped_stale"]["text"] == scenarios["plain"]
+
+
+@pytest.mark.slow
+def test_the_target_drafting_for_itself_at_t1_accepts_every_token(scenarios):
+    counters = scenarios["self_draft_t1_probabilistic"]
+    assert counters["vllm:spec_decode_num_draft_tokens"] > 100
+    assert (
+        counters["vllm:spec_decode_num_accepted_tokens"]
+        == counters["vllm:spec_decode_num_draft_tokens"]
+    )
+    # Greedy drafting verifies the draft's argmax as a point mass: accepted with p(argmax).
+    greedy = scenarios["self_draft_t1_greedy"]
+    assert (
+        greedy["vllm:spec_decode_num_accepted_tokens"] < greedy["vllm:spec_decode_num_draft_tokens"]
+    )
+
+
+def test_vllm_cpu_expand_kernel_is_broken_and_ours_is_right():
+    """vLLM 0.32's CPU wrapper fills an int64 copy of the output and drops it: a request's
+    temperature never reaches its draft tokens. Ours expands any dtype."""
+    code = """
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()  # torch.ops._C, as a worker loads it
+from vllm.utils import cpu_triton_utils as vllm_cpu
+from pipeline.vllm_spec.cpu_kernels import expand_kernel_impl
+temperature = torch.tensor([0.7, 0.0, 1.3])
+cu = torch.tensor([2, 3, 6], dtype=torch.int32)
+theirs = torch.full((6,), -5.0)
+vllm_cpu._expand_kernel_impl(theirs, temperature, cu, 0, 1)
+ours = torch.full((6,), -5.0)
+expand_kernel_impl(ours, temperature, cu, 0, 1)
+top_k = torch.full((6,), -1, dtype=torch.int32)
+expand_kernel_impl(top_k, torch.tensor([5, 0, 9], dtype=torch.int32), cu, 0, 0)
+print(theirs.tolist(), ours.tolist(), top_k.tolist())
+"""
+    done = _run(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs, ours, top_k = json.loads("[" + done.stdout.strip().replace("] [", "], [") + "]")
+    assert theirs == [-5.0] * 6  # untouched: the bug this plugin works around
+    assert ours == pytest.approx([0.7, 0.7, 1.0, 1.3, 1.3, 1.3])
+    assert top_k == [5, 5, 0, 9, 9, 9]
+
+
+@pytest.mark.slow
+def test_an_engine_refuses_to_start_under_another_vllm_version():
+    code = """
+import vllm
+vllm.__version__ = "0.31.0"
+from vllm import LLM
+try:
+    LLM(model="models/target", dtype="float32", enforce_eager=True, max_model_len=256)
+except Exception as exc:
+    print("REFUSED", exc)
+"""
+    done = _run(code)
+    assert "REFUSED" in done.stdout, done.stderr[-2000:]
+    assert "written for vLLM 0.32.0" in done.stdout and "0.31.0" in done.stdout
+
+
+def test_version_and_parts_are_checked():
+    check_version("0.32.0")
+    check_version("0.32.0+cpu")
+    with pytest.raises(RuntimeError, match="written for vLLM 0.32.0"):
+        check_version("0.33.1")
+    assert parts({}) == ("kernels", "catch_up")
+    assert parts({"SPECBOUND_VLLM_PLUGIN": "kernels"}) == ("kernels",)
+    assert parts({"SPECBOUND_VLLM_PLUGIN": ""}) == ()
+    with pytest.raises(ValueError, match="unknown part"):
+        parts({"SPECBOUND_VLLM_PLUGIN": "kernels,turbo"})

@@ -1,0 +1,126 @@
+"""Scenarios for tests/test_vllm_plugin.py, run in the vLLM environment with the project's
+plugin installed (make vllm-env): python tests/vllm_plugin_scenarios.py OUT.json.
+
+Engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so ``StretchScheduler`` below
+is the engine's scheduler and its records are read directly."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import sys
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from vllm_scenarios import TEXTS, engine, ids, spec_counters  # noqa: E402
+
+DRAFT = os.path.join(ROOT, "models", "draft")
+TARGET = os.path.join(ROOT, "models", "target")
+STRETCHES_ENV = "SPECBOUND_TEST_STRETCHES"
+RECORDS: list[list[Any]] = []  # [request id, committed tokens, proposal] per drafted row
+
+
+class StretchScheduler(Scheduler):
+    """K draft tokens at every step, or, with ``skip``, none in random stretches of 1-20 steps
+    between drafting stretches of 1-5; records every proposal with the length of the committed
+    text it continues."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        cfg = json.loads(os.environ.get(STRETCHES_ENV) or "{}")
+        self.skip = bool(cfg.get("skip"))
+        self.rng = random.Random(cfg.get("seed", 0))
+        self.left, self.off = 0, True
+        self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 1)
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        output = super().schedule(*args, **kwargs)
+        if self.skip and output.num_scheduled_tokens:
+            if self.left == 0:
+                self.off = not self.off
+                self.left = self.rng.randint(1, 20) if self.off else self.rng.randint(1, 5)
+            self.left -= 1
+            if self.off:
+                output.num_spec_tokens_to_schedule = 0
+        return output
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        for req_id, tokens in zip(
+            draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is not None and len(tokens) > 0:
+                RECORDS.append([req_id, request.num_tokens, [int(t) for t in tokens]])
+        super().update_draft_token_ids(draft_token_ids)
+
+
+def proposals(
+    params, skip: bool, seed: int = 0, catch_up: bool = True, backlog: int | None = None
+) -> dict:
+    """Greedy text and every proposal keyed by (prompt, committed length)."""
+    from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer, read_drafter_stats
+
+    os.environ[STRETCHES_ENV] = json.dumps({"skip": skip, "seed": seed})
+    # The engine imports this file as a module of its own (scheduler_cls), not as __main__.
+    records = importlib.import_module("vllm_plugin_scenarios").RECORDS
+    CatchUpDraftModelProposer.catch_up = catch_up
+    CatchUpDraftModelProposer.backlog_limit = backlog
+    records.clear()
+    stats_path = os.path.join(
+        os.environ["SPECBOUND_TEST_DIR"], f"drafter_{skip}_{catch_up}_{backlog}"
+    )
+    if os.path.exists(stats_path):
+        os.remove(stats_path)
+    os.environ["SPECBOUND_DRAFTER_STATS"] = stats_path
+    llm = engine(
+        {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3},
+        scheduler_cls="vllm_plugin_scenarios.StretchScheduler",
+    )
+    outs = llm.generate(TEXTS, params)
+    # The engine's request ids are the outputs' with a suffix ("0" -> "0-9ce234d8").
+    order = {o.request_id: i for i, o in enumerate(outs)}
+    keyed = {f"{order[r.split('-')[0]]}:{n}": p for r, n, p in records}
+    result = {"text": ids(outs), "proposals": keyed, "stats": read_drafter_stats(stats_path)}
+    CatchUpDraftModelProposer.catch_up = True
+    CatchUpDraftModelProposer.backlog_limit = None
+    del llm
+    return result
+
+
+def main(out_path: str) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["SPECBOUND_TEST_DIR"] = os.path.dirname(os.path.abspath(out_path))
+    from vllm import SamplingParams
+
+    result: dict = {}
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    result["plain"] = ids(engine(None).generate(TEXTS, greedy))
+    result["never_skipped"] = proposals(greedy, skip=False)
+    result["skipped"] = proposals(greedy, skip=True, seed=1)
+    result["skipped_flushing"] = proposals(greedy, skip=True, seed=2, backlog=48)
+    result["skipped_stale"] = proposals(greedy, skip=True, seed=1, catch_up=False)
+    # The target drafting for itself at T = 1: identical distributions accept every token.
+    sampled = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
+    for method in ("probabilistic", "greedy"):
+        llm = engine(
+            {
+                "method": "draft_model",
+                "model": TARGET,
+                "num_speculative_tokens": 2,
+                "draft_sample_method": method,
+            }
+        )
+        llm.generate(TEXTS, sampled)
+        result[f"self_draft_t1_{method}"] = spec_counters(llm)
+        del llm
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
