@@ -86,7 +86,7 @@ def _sources(text: str) -> list[str]:
 def _vllm_models(text: str) -> list[dict]:
     """'ours:k=4,draft_model:k=1..3,none' -> the vLLM app's model ids (ServedModel fields):
     k=A..B gives one per K; any other knob of ours or proposer is a policy setting."""
-    from pipeline.bench.vllm_methods import _value
+    from pipeline.vllm_spec.methods import _value
 
     models = []
     for item in (part.strip() for part in text.split(",") if part.strip()):

@@ -8,27 +8,32 @@ vLLM runs in its own environment (`make vllm-env`; SPECBOUND_VLLM_PYTHON to use 
 
     python -m jobs.bench_vllm                                   # everything (long)
     python -m jobs.bench_vllm --domains code --concurrency 1,8 --repeats 1 --limit 4
-    python -m jobs.bench_vllm --methods none,draft_model:k=2..4,ours:k=6:temperature=1 \\
-        --no-engine
+    python -m jobs.bench_vllm --methods none,ours:k=4,draft_model:k=2..4 --no-engine
 
 Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expands):
   none                      vLLM without speculation (every ratio's baseline)
-  draft_model:k=K           the draft checkpoint, K tokens a step (draft_sample_method=...)
+  ours:k=K                  our cost-aware scheduler (pipeline.vllm_spec.scheduler) over
+                            vLLM's draft_model drafter, drafting by sampling at T > 0: each
+                            step's K, at most k, from the pair's offline priors and the
+                            engine's own steps (design=fixed: always k; design=off: never)
+  ours-eagle3:k=K           the same scheduler over vLLM's EAGLE-3 drafter and the head
+  draft_model:k=K           the draft checkpoint, K tokens a step
+                            (draft_sample_method=greedy, vLLM's default, or probabilistic)
   draft_model:k=K:schedule=1:4/4:3/8:2
                             vLLM's num_speculative_tokens_per_batch_size: K by the number
                             of requests scheduled in a step (start:K ranges, each up to the
-                            next start; K capped at k)
-  draft_model:k=K:cost_aware=true
-                            the same drafter under our scheduler
-                            (pipeline.vllm_spec.scheduler): each step's K, at most k, from
-                            the acceptance and step costs it learns from the engine
-  eagle3:k=K                the EAGLE-3 head (models/eagle3-head; head=DIR for another),
-                            K tokens a step; cost_aware=true as above
+                            next start; K capped at k; 0 drafts nothing)
+  eagle3:k=K                the EAGLE-3 head (models/eagle3-head; head=DIR for another)
   ngram:k=K                 prompt lookup (min=, max=: window; vLLM's default is 5..5)
   suffix                    suffix decoding (needs arctic-inference; recorded as failed
                             when absent)
-  ours:k=K                  pipeline.vllm_spec.proposer.CostAwareProposer, K at most; other
-                            knobs go to it as the JSON of SPECBOUND_PROPOSER
+  proposer:k=K              the custom_class proposer (pipeline.vllm_spec.proposer), K at
+                            most; other knobs go to it as the JSON of SPECBOUND_PROPOSER
+
+With the project's vLLM plugin (make vllm-env installs it) a step that drafts 0 runs no draft
+forward, and sampled speculation on vLLM's CPU build gets the target's real probabilities
+(pipeline.vllm_spec.plugin). Per cell: output tok/s, vLLM's accepted length, and the
+drafter's counters (steps, skipped, caught-up tokens).
 
 Results: tables.txt, summary.json, raw.json (every output token) and vllm.log under --out,
 and an MLflow run (experiment bench_vllm).
@@ -43,9 +48,9 @@ from pathlib import Path
 
 from jobs.cli import add_model_args, parse_ks, parser, run, torch_threads
 from pipeline.bench.vllm import DOMAINS, bench_vllm, check_domains
-from pipeline.bench.vllm_methods import DEFAULT_METHODS, parse_methods
 from pipeline.tracking import tracked_run, tracking_uri
 from pipeline.vllm_spec.env import vllm_python
+from pipeline.vllm_spec.methods import DEFAULT_METHODS, parse_methods
 
 
 def _floats(text: str) -> list[float]:

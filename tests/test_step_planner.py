@@ -4,24 +4,33 @@ choice is the brute-force best of the model it holds."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from pipeline.vllm_spec.priors import Priors, load_priors, mode_of
 from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner, features
 
+ROOT = Path(__file__).resolve().parents[1]
+UNION = (32, 4, 0.9787)  # E, top_k, r: the embedded target's calibration
 
-def test_step_cost_fit_recovers_the_cost_it_is_timed_on() -> None:
-    truth = np.array([5.0, 0.2, 1.5, 0.08])
-    planner = StepPlanner(4, PlannerConfig(forget=1.0))
+
+@pytest.mark.parametrize("union", [None, UNION])
+def test_step_cost_fit_recovers_the_cost_it_is_timed_on(union) -> None:
+    truth = np.array([5.0, 0.2, 0.0 if union is None else 0.3, 1.5, 0.08])
+    planner = StepPlanner(4, PlannerConfig(forget=1.0), Priors(union=union))
     rng = np.random.default_rng(0)
-    for _ in range(2000):
+    for _ in range(3000):
         rows, k = int(rng.integers(1, 17)), int(rng.integers(0, 5))
         positions = rows * (1 + int(rng.integers(0, 5)))
-        ms = features(positions, k, rows) @ truth + rng.normal(0, 0.3)
+        x = features(positions, k, rows, planner.union(positions))
+        ms = x @ truth + rng.normal(0, 0.3)
         planner.observe_step(positions, k, rows, ms)
-    assert planner.theta == pytest.approx(truth, rel=0.05, abs=0.02)
+    assert planner.theta == pytest.approx(truth, rel=0.1, abs=0.05)
     planner.observe_step(4, 1, 2, float("nan"))  # an untimed step changes nothing
-    assert planner.steps == 2000
+    assert planner.steps == 3000
 
 
 def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
@@ -34,7 +43,7 @@ def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
             planner.observe_chain(rid, k, accepted)
     assert planner.rate("easy") == pytest.approx(0.9, abs=0.02)
     assert planner.rate("hard") == pytest.approx(0.2, abs=0.02)
-    pooled = planner.pooled[0] / planner.pooled[1]
+    pooled = planner.pooled["greedy"][0] / planner.pooled["greedy"][1]
     assert planner.rate("new") == pytest.approx(pooled)
     planner.forget_requests({"easy"})
     assert set(planner.requests) == {"easy"}
@@ -42,7 +51,7 @@ def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
 
 def test_choice_is_the_best_k_of_the_model() -> None:
     planner = StepPlanner(6, PlannerConfig(explore=0.0))
-    planner.theta = np.array([7.0, 0.1, 1.0, 0.05])
+    planner.theta = np.array([7.0, 0.1, 0.0, 1.0, 0.05])
     for rid, accepted in (("a", 3), ("b", 1), ("c", 4)):
         planner.observe_chain(rid, 4, accepted)
     ids = ["a", "b", "c"]
@@ -58,12 +67,14 @@ def test_choice_is_the_best_k_of_the_model() -> None:
 @pytest.mark.parametrize(("rate", "d0", "want"), [(0.95, 0.1, 6), (0.05, 5.0, 0)])
 def test_choice_drafts_long_when_cheap_and_likely_and_never_when_not(rate, d0, want) -> None:
     planner = StepPlanner(6, PlannerConfig(explore=0.0, prior_rate=rate, prior_weight=1e6))
-    planner.theta = np.array([7.0, 0.05, d0, 0.01])
+    planner.theta = np.array([7.0, 0.05, 0.0, d0, 0.01])
     assert planner.choose(["x", "y"]) == want
 
 
 def test_fixed_design_exploration_and_empty_batches() -> None:
     assert StepPlanner(3, PlannerConfig(design="fixed")).choose(["a"]) == 3
+    off = StepPlanner(3, PlannerConfig(design="off"))
+    assert off.choose(["a"]) == 0 and off.keep("a", 3) == 0
     assert StepPlanner(0).choose(["a"]) == 0 and StepPlanner(3).choose([]) == 0
     planner = StepPlanner(4, PlannerConfig(explore=1.0, seed=3))
     picks = [planner.choose(["a"]) for _ in range(500)]
@@ -76,7 +87,7 @@ def test_fixed_design_exploration_and_empty_batches() -> None:
         ('{"explore": 2}', "explore"),
         ('{"nope": 1}', "unknown field"),
         ('{"design": "random"}', "design"),
-        ('{"prior_cost": [1, 2]}', "prior_cost"),
+        ('{"prior_cost": [1, 2, 3, 4]}', "prior_cost"),
         ("[1]", "JSON object"),
     ],
 )
@@ -88,10 +99,52 @@ def test_settings_are_refused_with_their_reason(text, message) -> None:
 
 def test_marginal_rule_verifies_a_chain_only_as_far_as_it_pays() -> None:
     planner = StepPlanner(4, PlannerConfig(prior_rate=0.6, prior_weight=1e6))
-    planner.theta = np.array([7.0, 0.1, 1.0, 0.05])
+    planner.theta = np.array([7.0, 0.1, 0.0, 1.0, 0.05])
     assert planner.keep("r", 4) == 4  # no output measured yet: nothing to price with
     planner.tokens_per_ms = 2.0  # a position costs 0.1 ms x 2 tokens/ms = 0.2 tokens
     # 0.6, 0.36, 0.216 >= 0.2 > 0.13: three of four kept.
     assert planner.keep("r", 4) == 3 and planner.trimmed == 1
     assert planner.keep("r", 2) == 2
     assert StepPlanner(4, PlannerConfig(trim=False)).keep("r", 4) == 4
+
+
+def test_a_verified_position_is_priced_with_the_experts_it_adds() -> None:
+    """With the union term, one more position costs c_pos plus c_union times the experts it
+    brings that the step's other positions do not: more in a small step than in a big one."""
+    planner = StepPlanner(4, PlannerConfig(prior_rate=0.5, prior_weight=1e6), Priors(union=UNION))
+    planner.theta = np.array([7.0, 0.02, 0.5, 1.0, 0.05])
+    planner.tokens_per_ms = 1.0
+    small = planner.keep("r", 4, positions=1)
+    big = planner.keep("r", 4, positions=200)
+    assert small < big
+
+
+def test_rows_are_priced_at_their_own_temperature() -> None:
+    priors = Priors(rates={"greedy": 0.9, "sampled": 0.3})
+    planner = StepPlanner(4, PlannerConfig(), priors)
+    planner.set_mode("g", mode_of(0.0))
+    planner.set_mode("s", mode_of(1.0))
+    assert planner.rate("g") == pytest.approx(0.9) and planner.rate("s") == pytest.approx(0.3)
+    planner.set_mode("s2", "sampled")
+    for _ in range(50):
+        planner.observe_chain("s2", 4, 0)  # sampled evidence moves the sampled pool only
+    assert planner.rate("s") < 0.1
+    assert planner.rate("g") == pytest.approx(0.9)
+    assert StepPlanner(4, PlannerConfig(offline_priors=False), priors).rate("g") == 0.6
+
+
+def test_offline_priors_are_the_pairs_acceptance_model_and_calibration(tmp_path) -> None:
+    priors = load_priors(ROOT / "models" / "draft", "cpu")
+    acceptance = json.loads((ROOT / "models" / "acceptance.json").read_text())
+    assert priors.rates["greedy"] == acceptance["modes"]["greedy"]["prior"]
+    assert priors.rates["sampled"] == acceptance["modes"]["sampled"]["prior"]
+    cost = json.loads((ROOT / "models" / "vllm_costmodel.json").read_text())["cost"]
+    assert priors.cost == (cost["b0"], cost["b_pos"], cost["b_union"], cost["d0"], cost["d_tok"])
+    assert priors.union == (cost["experts"], cost["top_k"], cost["union_decay"])
+    assert load_priors(ROOT / "models" / "draft", "cuda").cost is None  # another device
+    # The 2-layer draft has its own acceptance model beside it and no vLLM calibration.
+    two = load_priors(ROOT / "models" / "draft-2layer", "cpu")
+    assert two.cost is None and set(two.rates) == {"greedy", "sampled"}
+    assert load_priors(tmp_path / "nothing") == Priors()
+    planner = StepPlanner(4, PlannerConfig(), priors)
+    assert planner.theta[0] == cost["b0"] and planner.rate("new") == priors.rates["greedy"]

@@ -21,9 +21,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from pipeline.bench.vllm_methods import PROPOSER_CLASS
 from pipeline.vllm_spec.config import ENV as PROPOSER_ENV
 from pipeline.vllm_spec.env import vllm_python
+from pipeline.vllm_spec.methods import PROPOSER_CLASS
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 from vllm_serving.llm_configs import SCHEDULER_CLASS, llm_config_dicts
@@ -114,6 +114,8 @@ def test_ours_is_the_scheduler_over_vllms_draft_model():
         "method": "draft_model",
         "num_speculative_tokens": 3,
         "model": str(ROOT / "models" / "draft"),
+        # sampled rows draft by sampling: the draft's probabilities enter the rejection test
+        "draft_sample_method": "probabilistic",
     }
     assert engine["scheduler_cls"] == SCHEDULER_CLASS
     assert json.loads(env[SCHEDULER_ENV]) == {"design": "fixed"}

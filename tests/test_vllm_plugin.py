@@ -71,6 +71,14 @@ def test_a_draft_that_skips_steps_proposes_what_one_that_never_skipped_does(scen
 
 
 @pytest.mark.slow
+def test_an_engine_that_drafts_nothing_samples_as_one_without_speculation(scenarios):
+    """At k = 0 the runner samples with vLLM's plain sampler: a seeded T = 1 request gives
+    the text it gives with no speculation at all."""
+    assert scenarios["off_seeded"] == scenarios["plain_seeded"]
+    assert not scenarios["off_spec"].get("vllm:spec_decode_num_drafts")
+
+
+@pytest.mark.slow
 def test_skipping_without_catching_up_would_be_caught(scenarios):
     """The comparison above has power: the same skips without the catch-up draft from a stale
     KV cache and propose other tokens (the text stays greedy: vLLM verifies every token)."""
@@ -142,7 +150,7 @@ def test_version_and_parts_are_checked():
     check_version("0.32.0+cpu")
     with pytest.raises(RuntimeError, match="written for vLLM 0.32.0"):
         check_version("0.33.1")
-    assert parts({}) == ("kernels", "catch_up")
+    assert parts({}) == ("kernels", "free_when_off")
     assert parts({"SPECBOUND_VLLM_PLUGIN": "kernels"}) == ("kernels",)
     assert parts({"SPECBOUND_VLLM_PLUGIN": ""}) == ()
     with pytest.raises(ValueError, match="unknown part"):

@@ -63,7 +63,8 @@ def proposals(
     params, skip: bool, seed: int = 0, catch_up: bool = True, backlog: int | None = None
 ) -> dict:
     """Greedy text and every proposal keyed by (prompt, committed length)."""
-    from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer, read_drafter_stats
+    from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer
+    from pipeline.vllm_spec.stats import read_drafter_stats
 
     os.environ[STRETCHES_ENV] = json.dumps({"skip": skip, "seed": seed})
     # The engine imports this file as a module of its own (scheduler_cls), not as __main__.
@@ -99,7 +100,25 @@ def main(out_path: str) -> None:
 
     result: dict = {}
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    result["plain"] = ids(engine(None).generate(TEXTS, greedy))
+    seeded = [
+        SamplingParams(temperature=1.0, seed=7 + i, max_tokens=32, ignore_eos=True)
+        for i in range(len(TEXTS))
+    ]
+    llm = engine(None)
+    result["plain"] = ids(llm.generate(TEXTS, greedy))
+    result["plain_seeded"] = ids(llm.generate(TEXTS, seeded))
+    del llm
+    # A speculating engine that drafts nothing (vLLM's own batch-size table at 0).
+    off = {
+        "method": "draft_model",
+        "model": DRAFT,
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": [[1, 1000, 0]],
+    }
+    llm = engine(off)
+    result["off_seeded"] = ids(llm.generate(TEXTS, seeded))
+    result["off_spec"] = spec_counters(llm)
+    del llm
     result["never_skipped"] = proposals(greedy, skip=False)
     result["skipped"] = proposals(greedy, skip=True, seed=1)
     result["skipped_flushing"] = proposals(greedy, skip=True, seed=2, backlog=48)

@@ -1,6 +1,6 @@
 """The app's settings as ray.serve.llm ``LLMConfig`` objects: one engine deployment per model
 id, its ``speculative_config`` built the way jobs.bench_vllm builds it (one code path from a
-method name and K to vLLM's config, pipeline.bench.vllm_methods); ``ours`` adds the
+method name and K to vLLM's config, pipeline.vllm_spec.methods); ``ours`` adds the
 cost-aware scheduler (``scheduler_cls``) over vLLM's draft_model drafter, ``ours-eagle3`` over
 its EAGLE-3 drafter (the head checked against the target first)."""
 
@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.vllm_methods import SCHEDULER_CLASS, Method
 from pipeline.vllm_spec.config import ProposerConfig, check
-from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
+from pipeline.vllm_spec.methods import Method
 from pipeline.vllm_spec.step_planner import PlannerConfig
 from vllm_serving.settings import ServedModel, VllmAppArgs
 
@@ -58,20 +57,17 @@ def speculation(
     k = model.draft_length
     if model.speculation in ("eagle3", "ours-eagle3"):
         check_head(head, target)
+    knobs: dict[str, Any] = {"k": k}
+    policy = None
     if model.speculation in ("ours", "ours-eagle3"):
         PlannerConfig(**model.policy)
-        drafter = "draft_model" if model.speculation == "ours" else "eagle3"
-        config = Method(model.name, drafter, {"k": k}).entry(draft, head)["speculative_config"]
-        env = {SCHEDULER_ENV: json.dumps(model.policy)}
-        return config, {"scheduler_cls": SCHEDULER_CLASS}, env
-    knobs: dict[str, Any] = {"k": k}
+        policy = model.policy
     if model.speculation == "proposer":
         knobs |= {"draft": draft, **model.policy}
         proposer = ProposerConfig(**{key: v for key, v in knobs.items() if key != "k"})
         check(proposer, target, dtype, device, vllm_version())
-    method = "ours" if model.speculation == "proposer" else model.speculation
-    entry = Method(model.name, method, knobs).entry(draft, head)
-    return entry["speculative_config"], {}, entry.get("env", {})
+    entry = Method(model.name, model.speculation, knobs).entry(draft, head, policy)
+    return entry["speculative_config"], entry.get("engine_kwargs", {}), entry.get("env", {})
 
 
 def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:

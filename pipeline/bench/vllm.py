@@ -16,9 +16,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from pipeline.bench.vllm_methods import Method
 from pipeline.data.domains import load_prompts
 from pipeline.vllm_spec.env import ROOT, engine_env, vllm_python
+from pipeline.vllm_spec.methods import Method
 
 DOMAINS = ("code", "prose", "math", "sharegpt")
 PROGRESS = "[vllm] "  # run_cells' progress lines, picked out of vLLM's log

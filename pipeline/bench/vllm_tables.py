@@ -1,8 +1,9 @@
 """The vLLM benchmark's tables (pipeline.bench.vllm): per (domain, T, c) cell every method's
 output tokens/s (median over repeats and its min-max), its ratio to vLLM without speculation,
-ours against the best fixed-K draft model of that cell, TPOT, mean accepted length and the
-proposer's share of each engine step; the pooled c = 1, T = 0 figure; T = 0 texts against
-vLLM's own greedy text and our engine's `ar`."""
+to the best fixed-K draft model of that cell and to the floor ours must not lose to
+(max(none, the best fixed K of the same drafter)), TPOT, mean accepted length, the share of
+steps the plugin's drafter skipped, and the proposer's share of each engine step; the pooled
+c = 1, T = 0 figure; T = 0 texts against vLLM's own greedy text and our engine's `ar`."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _proposer(results: list[dict]) -> dict | None:
 
 
 def is_fixed_draft(label: str) -> bool:
-    return label.startswith("draft_model:") and "schedule" not in label
+    return label.startswith(("draft_model:", "eagle3:")) and "schedule" not in label
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -76,13 +77,16 @@ def summarize(runs: list[dict]) -> dict:
                 "ttft_ms": _ms(_med([r.get("ttft_s") for r in results])),
                 "accepted_len": _med([r.get("mean_accepted_len") for r in results]),
                 "proposer": _proposer(results),
+                "skipped": _skipped(results),
             }
         base = rows.get(BASE, {}).get("tok_s")
         best = _best(rows, is_fixed_draft)
         best_engine = _best(rows, lambda m: m.startswith("engine fixed"))
-        for row in rows.values():
+        for label, row in rows.items():
             row["vs_none"] = row["tok_s"] / base if base else None
             row["vs_best_draft"] = row["tok_s"] / rows[best]["tok_s"] if best else None
+            floor = _floor(rows, label)
+            row["vs_floor"] = row["tok_s"] / floor if floor else None
         cells.append(
             {
                 "domain": key[0],
@@ -98,6 +102,29 @@ def summarize(runs: list[dict]) -> dict:
         if run.get("error"):
             errors.setdefault(run["method"], run["error"])
     return {"cells": cells, "pooled": pooled(runs), "texts": texts(runs), "errors": errors}
+
+
+def _skipped(results: list[dict]) -> float | None:
+    """Share of engine steps whose draft forward the plugin's drafter skipped (k = 0)."""
+    stats = [r["drafter"] for r in results if r.get("drafter")]
+    steps = sum(s.get("steps", 0.0) for s in stats)
+    return sum(s.get("skipped", 0.0) for s in stats) / steps if steps else None
+
+
+# ours over a drafter must not lose to no speculation nor to that drafter at its best fixed K.
+FLOOR_PEERS = {"ours:": "draft_model:", "ours-eagle3:": "eagle3:"}
+
+
+def _floor(rows: dict, label: str) -> float | None:
+    prefix = next((p for p in FLOOR_PEERS if label.startswith(p)), None)
+    if prefix is None:
+        return None
+    peers = [
+        r["tok_s"]
+        for m, r in rows.items()
+        if r["tok_s"] and (m == BASE or (m.startswith(FLOOR_PEERS[prefix]) and "schedule" not in m))
+    ]
+    return max(peers) if peers else None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -169,7 +196,7 @@ def format_tables(summary: dict, header: str) -> str:
     lines = [header, ""]
     head = (
         f"  {'method':<42}{'tok/s':>8} {'min-max':>13}{'x none':>8}{'x best K':>9}"
-        f"{'TPOT ms':>9}{'acc len':>8}{'prop ms':>8}{'share':>7}{'decide':>7}"
+        f"{'x floor':>8}{'TPOT ms':>9}{'acc len':>8}{'skip':>6}{'prop ms':>8}{'share':>7}"
     )
     for cell in summary["cells"]:
         lines += [
@@ -183,9 +210,10 @@ def format_tables(summary: dict, header: str) -> str:
             lines.append(
                 f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"
                 f"{_f(r['vs_none'], '.3f'):>8}{_f(r['vs_best_draft'], '.3f'):>9}"
+                f"{_f(r.get('vs_floor'), '.3f'):>8}"
                 f"{_f(r['tpot_ms'], '.2f'):>9}{_f(r['accepted_len'], '.2f'):>8}"
+                f"{_f(r.get('skipped'), '.0%'):>6}"
                 f"{_f(p.get('propose_ms'), '.2f'):>8}{_f(p.get('propose_share'), '.1%'):>7}"
-                f"{_f(p.get('decide_share'), '.1%'):>7}"
             )
         lines.append("")
     lines.append("pooled over domains at c=1, T=0 (sum tokens / sum time, median over repeats)")

@@ -26,20 +26,15 @@ import numpy as np
 import torch
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
-from pipeline.vllm_spec.stats import StatsFile, read_stats
-
-STATS_ENV = "SPECBOUND_DRAFTER_STATS"
-DRAFTER_FIELDS = (
-    "steps",  # propose() calls
-    "skipped",  # of which ran no draft forward (k = 0)
-    "flushed",  # k = 0 steps that ran the forward to empty a full backlog
-    "caught_up",  # missed tokens fed to a later first pass
-    "forward_s",  # time in steps that ran the draft
-)
+from pipeline.vllm_spec.stats import DRAFTER_FIELDS, DRAFTER_STATS_ENV, StatsFile
 
 
-def read_drafter_stats(path: str | os.PathLike[str]) -> dict[str, float]:
-    return read_stats(path, DRAFTER_FIELDS)
+def step_rows(cad) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's first position this step (its computed tokens) and its scheduled tokens."""
+    batch = cad.batch_size()
+    lens = cad.naive_query_lens()[:batch].cpu().numpy().astype(np.int64)
+    starts = cad.seq_lens[:batch].cpu().numpy().astype(np.int64) - lens
+    return starts, lens
 
 
 class CatchUpDraftModelProposer(DraftModelProposer):
@@ -59,12 +54,33 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         # Extended first passes must fit the drafter's buffers (max_num_batched_tokens).
         limit = self.backlog_limit
         self.backlog_tokens = self.max_num_tokens // 2 if limit is None else limit
-        path = os.environ.get(STATS_ENV)
+        path = os.environ.get(DRAFTER_STATS_ENV)
         self.stats = StatsFile(path, DRAFTER_FIELDS, create=False) if path else None
+        # Set by the runner's shortcut (pipeline.vllm_spec.free_when_off) when it has already
+        # asked skip_step for this k = 0 step and been told to run the forward.
+        self._decided_by_runner = False
 
     def _count(self, **deltas: float) -> None:
         if self.stats is not None:
             self.stats.add(**deltas)
+
+    def skip_step(self, req_ids: list[str], starts: np.ndarray, lens: np.ndarray) -> bool:
+        """Skip this k = 0 step's draft forward (True, remembering what each row misses), or
+        run it to empty a backlog that would pass ``backlog_tokens`` (False)."""
+        ends = starts + lens
+        backlog = sum(
+            int(end) - self.missed_from.get(r, int(s))
+            for r, s, end in zip(req_ids, starts, ends, strict=True)
+        )
+        self._count(steps=1)
+        if backlog > self.backlog_tokens:
+            self._count(flushed=1)
+            return False
+        for req_id, start in zip(req_ids, starts, strict=True):
+            self.missed_from[req_id] = min(self.missed_from.get(req_id, int(start)), int(start))
+        self._last_draft_probs = None
+        self._count(skipped=1)
+        return True
 
     def propose(
         self,
@@ -82,19 +98,13 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         cad = common_attn_metadata
         batch = cad.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch])
-        starts_loc = cad.query_start_loc_cpu[:batch].to(torch.int64)
-        starts = target_positions[starts_loc.to(target_positions.device)].cpu().numpy()
-        self._count(steps=1)
-        if num_speculative_tokens == 0 and self._backlog(req_ids, starts, cad) <= (
-            self.backlog_tokens
-        ):
-            for req_id, start in zip(req_ids, starts, strict=True):
-                self.missed_from[req_id] = min(self.missed_from.get(req_id, int(start)), int(start))
-            self._last_draft_probs = None
-            self._count(skipped=1)
-            return torch.empty(batch, 0, dtype=torch.int64, device=target_token_ids.device)
-        if num_speculative_tokens == 0:
-            self._count(flushed=1)
+        starts, lens = step_rows(cad)
+        if num_speculative_tokens == 0 and not self._decided_by_runner:
+            if self.skip_step(req_ids, starts, lens):
+                return torch.empty(batch, 0, dtype=torch.int64, device=target_token_ids.device)
+        elif num_speculative_tokens > 0:
+            self._count(steps=1)
+        self._decided_by_runner = False
         started = time.perf_counter()
         if self.catch_up and any(r in self.missed_from for r in req_ids):
             target_token_ids, target_positions, target_hidden_states, cad = self._with_missed(
@@ -117,16 +127,6 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         )
         self._count(forward_s=time.perf_counter() - started)
         return out
-
-    def _backlog(self, req_ids: list[str], starts: np.ndarray, cad) -> int:
-        """Missed tokens in the batch if this step is skipped too."""
-        ends = starts + cad.naive_query_lens().cpu().numpy()[: len(req_ids)]
-        return int(
-            sum(
-                end - self.missed_from.get(r, s)
-                for r, s, end in zip(req_ids, starts, ends, strict=True)
-            )
-        )
 
     def _forget_finished(self) -> None:
         if len(self.missed_from) > 4 * max(1, self.max_batch_size):

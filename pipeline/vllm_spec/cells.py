@@ -23,6 +23,7 @@ SPEC_COUNTERS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens",
 }
 STATS_ENV = "SPECBOUND_PROPOSER_STATS"
+DRAFTER_STATS_ENV = "SPECBOUND_DRAFTER_STATS"  # pipeline.vllm_spec.stats's
 
 
 @contextmanager
@@ -61,6 +62,18 @@ def proposer_stats() -> dict[str, float] | None:
     except ImportError:
         return None
     return {k: float(v) for k, v in read_stats(path).items()}
+
+
+def drafter_stats() -> dict[str, float] | None:
+    """The plugin's drafter counters (steps, skipped, caught-up tokens), or None."""
+    path = os.environ.get(DRAFTER_STATS_ENV)
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        from pipeline.vllm_spec.stats import read_drafter_stats
+    except ImportError:
+        return None
+    return read_drafter_stats(path)
 
 
 def _delta(after: dict | None, before: dict | None) -> dict | None:
@@ -146,7 +159,7 @@ def closed_loop(
 
 
 def run_cell(llm: Any, cell: dict, tag: str) -> dict:
-    spec0, prop0 = spec_counters(llm), proposer_stats()
+    spec0, prop0, drafter0 = spec_counters(llm), proposer_stats(), drafter_stats()
     res = closed_loop(
         llm,
         cell["prompts"],
@@ -162,6 +175,7 @@ def run_cell(llm: Any, cell: dict, tag: str) -> dict:
     res["mean_accepted_len"] = 1.0 + spec["accepted"] / drafts if drafts else None
     res["acceptance_rate"] = spec["accepted"] / spec["draft_tokens"] if drafts else None
     res["proposer"] = _delta(proposer_stats(), prop0)
+    res["drafter"] = _delta(drafter_stats(), drafter0)
     res.update({k: cell[k] for k in ("domain", "temperature", "concurrency", "max_tokens")})
     res["seed"] = int(cell.get("seed", 0))
     return res

@@ -4,9 +4,11 @@ its processes before any engine or worker code runs.
 
 It checks the vLLM version it was written for (refusing another at engine start, with what
 to do), then, on vLLM's CPU build, replaces the broken CPU ``expand_kernel`` wrapper that
-corrupts sampled speculative decoding (pipeline.vllm_spec.cpu_kernels), and makes vLLM's
-``draft_model`` drafter free when a step drafts 0 tokens (pipeline.vllm_spec.catch_up_draft).
-``SPECBOUND_VLLM_PLUGIN`` lists the parts to install (default ``kernels,catch_up``; empty:
+corrupts sampled speculative decoding (pipeline.vllm_spec.cpu_kernels), and makes a step that
+drafts 0 tokens free: vLLM's ``draft_model`` drafter runs no forward for it and catches up
+later (pipeline.vllm_spec.catch_up_draft), and the runner samples it and prepares nothing as
+if speculation were off (pipeline.vllm_spec.free_when_off).
+``SPECBOUND_VLLM_PLUGIN`` lists the parts to install (default ``kernels,free_when_off``; empty:
 only the version check); ``VLLM_PLUGINS`` (vLLM's own) can leave the plugin out entirely.
 """
 
@@ -16,7 +18,7 @@ import os
 
 SUPPORTED_VLLM = "0.32.0"
 PARTS_ENV = "SPECBOUND_VLLM_PLUGIN"
-PARTS = ("kernels", "catch_up")
+PARTS = ("kernels", "free_when_off")
 
 
 def parts(environ: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -51,10 +53,12 @@ def register() -> None:
         from pipeline.vllm_spec import cpu_kernels
 
         cpu_kernels.install()
-    if "catch_up" in chosen:
+    if "free_when_off" in chosen:
         from vllm.v1.worker import gpu_model_runner
 
+        from pipeline.vllm_spec import free_when_off
         from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer
 
         # The runner builds its drafter from this module name (GPUModelRunner.__init__).
         gpu_model_runner.DraftModelProposer = CatchUpDraftModelProposer
+        free_when_off.install()

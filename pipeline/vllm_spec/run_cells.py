@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.vllm_spec.cells import STATS_ENV, run_method
+from pipeline.vllm_spec.cells import DRAFTER_STATS_ENV, STATS_ENV, run_method
 
 
 def _write(path: Path, results: dict) -> None:
@@ -61,8 +61,12 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
                 results["runs"].append(run)
                 continue
             env = {k: str(v) for k, v in (method.get("env") or {}).items()}
+            slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+            if method.get("speculative_config"):
+                drafter = out.with_name(f"{out.stem}.{slug}.r{rep}.drafter")
+                drafter.unlink(missing_ok=True)
+                env[DRAFTER_STATS_ENV] = str(drafter.resolve())
             if method.get("proposer_stats"):
-                slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
                 stats = out.with_name(f"{out.stem}.{slug}.r{rep}.stats")
                 stats.unlink(missing_ok=True)
                 env[STATS_ENV] = str(stats.resolve())

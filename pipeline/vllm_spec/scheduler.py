@@ -1,39 +1,53 @@
 """The cost-aware draft length as a vLLM scheduler: vLLM drafts with its own ``draft_model``
-runner (the draft's forwards inside vLLM's model runner, its paged KV cache), and this
-scheduler chooses how many tokens that runner drafts at each step, by the modelled tokens per
-millisecond of the batch it schedules (pipeline.vllm_spec.step_planner), both halves of the
-model learned from the engine's own steps.
+(or ``eagle3``) runner, and this scheduler chooses how many tokens that runner drafts at each
+step, by the modelled tokens per millisecond of the batch it schedules
+(pipeline.vllm_spec.step_planner), starting from the pair's offline acceptance model and
+vLLM step-cost calibration (pipeline.vllm_spec.priors) and refined from the engine's steps.
 
     LLM(model="models/target", enforce_eager=True, dtype="float32",
         scheduler_cls="pipeline.vllm_spec.scheduler.CostAwareScheduler",
         speculative_config={"method": "draft_model", "model": "models/draft",
-                            "num_speculative_tokens": 4})
+                            "num_speculative_tokens": 4,
+                            "draft_sample_method": "probabilistic"})
 
 vLLM's contract (0.32, vllm/v1/core/sched/scheduler.py and gpu_model_runner.py): the
 scheduler's ``SchedulerOutput.num_spec_tokens_to_schedule`` is the number of draft tokens the
 runner's drafter makes at the end of the step (vLLM's own per-batch-size schedule,
 ``num_speculative_tokens_per_batch_size``, sets it the same way, after KV slots for K are
-reserved); 0 still runs the draft's catch-up forward and proposes nothing. Greedy output is
-vLLM's rejection sampling either way: the text equals decoding without speculation.
-Settings: ``SPECBOUND_SCHEDULER`` (a JSON object of PlannerConfig's fields), read at start.
+reserved). One K serves the whole batch; each row's chain is then verified only as far as its
+own acceptance pays (``keep``), so a row that does not pay verifies nothing. With the
+project's plugin (pipeline.vllm_spec.plugin) a step at 0 runs no draft forward. Each row is
+priced at its own temperature (greedy or sampled acceptance), read from its request's
+sampling parameters. Greedy output is vLLM's rejection sampling either way: the text equals
+decoding without speculation. Settings: ``SPECBOUND_SCHEDULER`` (a JSON object of
+PlannerConfig's fields), read at start.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from pipeline.vllm_spec.priors import load_priors, mode_of
 from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner
 
 PRUNE_EVERY = 64  # steps between forgetting finished requests' acceptance
+log = logging.getLogger(__name__)
 
 
 class CostAwareScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.planner = StepPlanner(self.num_spec_tokens, PlannerConfig.from_env())
+        config = PlannerConfig.from_env()
+        spec = self.vllm_config.speculative_config
+        draft = getattr(spec, "model", None) if spec is not None else None
+        device = str(getattr(self.vllm_config.device_config, "device_type", "cpu") or "cpu")
+        priors = load_priors(draft, device) if config.offline_priors else load_priors(None)
+        log.info("cost-aware scheduler: priors from %s", ", ".join(priors.sources) or "defaults")
+        self.planner = StepPlanner(self.num_spec_tokens, config, priors)
         if self.num_spec_tokens > 0:
             # Marks the draft length as dynamic, as vLLM's own schedule does: no padding of
             # new decodes to K + 1 tokens (that padding serves CUDA graphs of a fixed K).
@@ -44,22 +58,27 @@ class CostAwareScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
+        planner = self.planner
+        rows = len(self.running)
         for request in self.running:
+            if request.request_id not in planner.modes:
+                params = request.sampling_params
+                planner.set_mode(request.request_id, mode_of(getattr(params, "temperature", 0)))
             if request.spec_token_ids:
                 # The drafted chain's tail not worth verifying is dropped (vLLM drops invalid
                 # draft tokens of structured output the same way).
                 del request.spec_token_ids[
-                    self.planner.keep(request.request_id, len(request.spec_token_ids)) :
+                    planner.keep(request.request_id, len(request.spec_token_ids), rows) :
                 ]
         output = super().schedule(*args, **kwargs)
-        rows = list(output.num_scheduled_tokens)
-        if self.num_spec_tokens > 0 and rows:
-            output.num_spec_tokens_to_schedule = self.planner.choose(rows)
+        ids = list(output.num_scheduled_tokens)
+        if self.num_spec_tokens > 0 and ids:
+            output.num_spec_tokens_to_schedule = planner.choose(ids)
         self._step = (
             started,
             output.total_num_scheduled_tokens,
             output.num_spec_tokens_to_schedule,
-            len(rows),
+            len(ids),
         )
         return output
 

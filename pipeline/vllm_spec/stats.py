@@ -24,6 +24,15 @@ STAT_FIELDS = (
     "accepted",  # proposed tokens those rows accepted
 )
 ENV = "SPECBOUND_PROPOSER_STATS"
+# The catch-up drafter's counters (pipeline.vllm_spec.catch_up_draft), when this names a file.
+DRAFTER_STATS_ENV = "SPECBOUND_DRAFTER_STATS"
+DRAFTER_FIELDS = (
+    "steps",  # propose() calls
+    "skipped",  # of which ran no draft forward (k = 0)
+    "flushed",  # k = 0 steps that ran the forward to empty a full backlog
+    "caught_up",  # missed tokens fed to a later first pass
+    "forward_s",  # time in steps that ran the draft
+)
 
 
 class StatsFile:
@@ -67,3 +76,7 @@ def read_stats(
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before.get(name, 0.0) for name in after}
+
+
+def read_drafter_stats(path: str | os.PathLike[str]) -> dict[str, float]:
+    return read_stats(path, DRAFTER_FIELDS)

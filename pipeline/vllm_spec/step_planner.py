@@ -1,21 +1,26 @@
-"""The draft length of each vLLM step, chosen by modelled tokens per millisecond, with both
-halves of the model learned online on the replica that runs it (numpy only: it runs in vLLM's
-engine process and is tested without vLLM).
+"""The draft length of each vLLM step, chosen by modelled tokens per millisecond; the model
+starts from what the project measured offline for the pair (pipeline.vllm_spec.priors) and is
+refined online on the replica that runs it (numpy only: it runs in vLLM's engine process and
+is tested without vLLM).
 
-- **Acceptance**, per request: a drafted chain of k tokens is accepted up to its first
-  rejection, so each judged chain gives ``accepted`` successes and (when ``accepted < k``) one
-  failure of a per-token acceptance rate ``a``; the estimate is the decayed ratio with a prior
-  (new requests start from the replica's pooled rate). A row drafting k tokens then yields
-  ``(1 - a^(k+1)) / (1 - a)`` tokens in expectation.
-- **Step cost**, for the whole replica: ``T = c0 + c_pos P + k (d0 + d_row B)`` ms, P the
-  positions the target verifies (each row's token and its drafts), B rows, k draft rounds,
-  fitted by recursive least squares with forgetting over the steps the engine times, from a
-  weak prior; a small share of steps draws k at random so the draft terms stay identifiable.
+- **Acceptance**, per request and decoding mode (greedy, sampled: a row is priced at its own
+  temperature): a drafted chain of k tokens is accepted up to its first rejection, so each
+  judged chain gives ``accepted`` successes and (when ``accepted < k``) one failure of a
+  per-token acceptance rate ``a``; the estimate is the decayed ratio with a prior. A new
+  request starts from its mode's pooled rate, which starts from the offline acceptance model's
+  mean for that mode. A row drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens.
+- **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + k (d0 + d_row B)``
+  ms, P the positions the target verifies (each row's token and its drafts), U(P) the expected
+  union of experts per MoE layer those positions load (the calibration's
+  ``E - (E - k) r^(P - 1)``; 0 without one), B rows, k draft rounds; fitted by recursive least
+  squares with forgetting over the steps the engine times, from the calibration's costs as the
+  prior. With the plugin's drafter a step at k = 0 runs no draft forward, so idle steps measure
+  the target's terms and no step needs drafting at random (``explore``, default 0).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
 steady state where every step drafts k for every row. ``keep(row, n)`` is the marginal rule
 for a chain already drafted: its j-th token is verified only if what it adds in expectation,
-``a^j`` tokens, is worth its verification, ``c_pos`` ms at the replica's recent tokens per ms.
+``a^j`` tokens, is worth its verification at the replica's recent tokens per ms.
 """
 
 from __future__ import annotations
@@ -25,21 +30,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.vllm_spec.env_settings import fields_from_env
+from pipeline.vllm_spec.priors import MODES, Priors
 
 ENV = "SPECBOUND_SCHEDULER"
+DEFAULT_COST = (7.0, 0.1, 0.0, 1.0, 0.05)  # c0, c_pos, c_union, d0, d_row (ms)
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    explore: float = 0.02  # share of steps whose k is drawn at random (cost identifiability)
+    explore: float = 0.0  # share of steps whose k is drawn at random
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
-    prior_rate: float = 0.6  # acceptance before any evidence
+    prior_rate: float = 0.6  # acceptance before any evidence, where no offline model says
     prior_weight: float = 4.0  # judged tokens that prior is worth
-    # Prior step cost (ms): c0, c_pos, d0, d_row; weak (prior_precision per coefficient).
-    prior_cost: tuple[float, float, float, float] = (7.0, 0.1, 1.0, 0.05)
-    prior_precision: float = 1.0
-    design: str = "policy"  # policy: choose; fixed: always K (a like-for-like peer)
+    # Prior step cost (ms) where no calibration is found: c0, c_pos, c_union, d0, d_row.
+    prior_cost: tuple[float, ...] = DEFAULT_COST
+    prior_precision: float = 1.0  # per coefficient; a calibration's prior: 25
+    offline_priors: bool = True  # start from the pair's acceptance model and calibration
+    # policy: choose; fixed: always K (a like-for-like peer); off: always 0 (no draft forward
+    # with the plugin's drafter: speculation off on a speculating engine)
+    design: str = "policy"
     trim: bool = True  # verify a drafted chain only as far as the marginal rule keeps it
     seed: int = 0
 
@@ -50,10 +60,12 @@ class PlannerConfig:
             raise ValueError("forget and decay: between 0.5 and 1")
         if not 0.0 < self.prior_rate < 1.0 or self.prior_weight <= 0:
             raise ValueError("prior_rate in (0, 1), prior_weight > 0")
-        if len(self.prior_cost) != 4 or self.prior_precision <= 0:
-            raise ValueError("prior_cost: four numbers (c0, c_pos, d0, d_row); precision > 0")
-        if self.design not in ("policy", "fixed"):
-            raise ValueError(f"design {self.design!r}: policy or fixed")
+        if len(self.prior_cost) != 5 or self.prior_precision <= 0:
+            raise ValueError(
+                "prior_cost: five numbers (c0, c_pos, c_union, d0, d_row); precision > 0"
+            )
+        if self.design not in ("policy", "fixed", "off"):
+            raise ValueError(f"design {self.design!r}: policy, fixed or off")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> PlannerConfig:
@@ -63,20 +75,29 @@ class PlannerConfig:
         return cls(**data)
 
 
-def features(positions: float, k: float, rows: float) -> np.ndarray:
-    return np.array([1.0, positions, k, k * rows])
+def features(positions: float, k: float, rows: float, union: float = 0.0) -> np.ndarray:
+    return np.array([1.0, positions, union, k, k * rows])
 
 
 class StepPlanner:
-    def __init__(self, max_k: int, config: PlannerConfig | None = None):
+    def __init__(
+        self, max_k: int, config: PlannerConfig | None = None, priors: Priors | None = None
+    ):
         self.max_k = max_k
-        self.config = config or PlannerConfig()
-        c = self.config
-        self.theta = np.array(c.prior_cost, dtype=float)
-        self.cov = np.eye(4) / c.prior_precision  # RLS inverse information
+        self.config = c = config or PlannerConfig()
+        priors = priors or Priors()
+        use = c.offline_priors
+        calibrated = use and priors.cost is not None
+        self.theta = np.array(priors.cost if calibrated else c.prior_cost, dtype=float)
+        self.cov = np.eye(5) / (25.0 if calibrated else c.prior_precision)  # RLS inverse info
+        self.union_model = priors.union if use else None
+        self.mode_rates = {
+            m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
+        }
         self.rng = np.random.default_rng(c.seed)
         self.requests: dict[str, list[float]] = {}  # id -> [accepted, trials]
-        self.pooled = [c.prior_rate * c.prior_weight, c.prior_weight]
+        self.modes: dict[str, str] = {}  # id -> greedy | sampled
+        self.pooled = {m: [r * c.prior_weight, c.prior_weight] for m, r in self.mode_rates.items()}
         self.steps = 0
         self.chosen = np.zeros(max_k + 1, dtype=np.int64)  # steps per k (a report)
         self.tokens_per_ms = 0.0  # recent output of the replica (EMA over steps)
@@ -84,9 +105,17 @@ class StepPlanner:
 
     # -- acceptance ---------------------------------------------------------------------
 
+    def set_mode(self, request_id: str, mode: str) -> None:
+        self.modes[request_id] = mode
+
+    def _mode(self, request_id: str) -> str:
+        return self.modes.get(request_id, "greedy")
+
     def rate(self, request_id: str) -> float:
-        acc, trials = self.requests.get(request_id, self.pooled)
-        return float(np.clip(acc / trials, 0.0, 0.995)) if trials > 0 else self.config.prior_rate
+        acc, trials = self.requests.get(request_id, self.pooled[self._mode(request_id)])
+        if trials <= 0:
+            return self.mode_rates[self._mode(request_id)]
+        return float(np.clip(acc / trials, 0.0, 0.995))
 
     def observe_chain(self, request_id: str, drafted: int, accepted: int) -> None:
         """One judged chain: ``accepted`` of ``drafted`` tokens kept (a prefix)."""
@@ -95,21 +124,30 @@ class StepPlanner:
         accepted = min(max(accepted, 0), drafted)
         trials = accepted + (1 if accepted < drafted else 0)
         c = self.config
+        pooled = self.pooled[self._mode(request_id)]
         if request_id not in self.requests:
-            rate = self.pooled[0] / self.pooled[1]
+            rate = pooled[0] / pooled[1]
             self.requests[request_id] = [rate * c.prior_weight, c.prior_weight]
-        for counts in (self.requests[request_id], self.pooled):
+        for counts in (self.requests[request_id], pooled):
             counts[0] = c.decay * counts[0] + accepted
             counts[1] = c.decay * counts[1] + trials
 
     def forget_requests(self, alive: set[str]) -> None:
         for gone in set(self.requests) - alive:
             del self.requests[gone]
+        for gone in set(self.modes) - alive:
+            del self.modes[gone]
 
     # -- step cost ----------------------------------------------------------------------
 
+    def union(self, positions: float) -> float:
+        if self.union_model is None or positions <= 0:
+            return 0.0
+        experts, top_k, r = self.union_model
+        return experts - (experts - top_k) * r ** (positions - 1)
+
     def step_ms(self, positions: float, k: float, rows: float) -> float:
-        return float(features(positions, k, rows) @ self.theta)
+        return float(features(positions, k, rows, self.union(positions)) @ self.theta)
 
     def observe_step(
         self, positions: int, k: int, rows: int, ms: float, tokens: int | None = None
@@ -120,7 +158,7 @@ class StepPlanner:
             return
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
-        x = features(positions, k, rows)
+        x = features(positions, k, rows, self.union(positions))
         lam = self.config.forget
         px = self.cov @ x
         gain = px / (lam + x @ px)
@@ -128,13 +166,19 @@ class StepPlanner:
         self.cov = (self.cov - np.outer(gain, px)) / lam
         self.steps += 1
 
-    def keep(self, request_id: str, drafted: int) -> int:
-        """How many of a row's ``drafted`` tokens to verify (the marginal rule)."""
+    def keep(self, request_id: str, drafted: int, positions: int = 1) -> int:
+        """How many of a row's ``drafted`` tokens to verify (the marginal rule), in a step of
+        ``positions`` other verified positions (what one more adds, experts included)."""
+        if self.config.design == "off":
+            return 0
         if not self.config.trim or self.config.design == "fixed" or self.tokens_per_ms <= 0:
             return drafted
-        price = max(self.theta[1], 0.0) * self.tokens_per_ms  # tokens one position costs
         a, kept = self.rate(request_id), 0
-        while kept < drafted and a ** (kept + 1) >= price:
+        while kept < drafted:
+            p = positions + kept
+            extra = self.theta[1] + self.theta[2] * (self.union(p + 1) - self.union(p))
+            if a ** (kept + 1) < max(extra, 0.0) * self.tokens_per_ms:
+                break
             kept += 1
         self.trimmed += drafted - kept
         return kept
@@ -150,11 +194,11 @@ class StepPlanner:
         return k
 
     def _choose(self, request_ids: list[str]) -> int:
-        if self.max_k == 0 or not request_ids:
+        if self.max_k == 0 or not request_ids or self.config.design == "off":
             return 0
         if self.config.design == "fixed":
             return self.max_k
-        if self.rng.random() < self.config.explore:
+        if self.config.explore > 0 and self.rng.random() < self.config.explore:
             return int(self.rng.integers(0, self.max_k + 1))
         rates = np.array([self.rate(r) for r in request_ids])
         rows = len(request_ids)

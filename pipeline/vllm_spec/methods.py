@@ -1,6 +1,13 @@
-"""The vLLM benchmark's methods (jobs.bench_vllm --methods): 'name:knob=value:...' items
-parsed, checked and expanded (k=A..B: one method per K) before any engine starts, and each
-turned into run_cells' method entry (vLLM's speculative_config, the engine's env)."""
+"""vLLM speculation methods by name, one code path from a name and its knobs to vLLM's
+engine settings (speculative_config, scheduler_cls, env), shared by the vLLM app
+(vllm_serving.llm_configs) and the benchmark (jobs.bench_vllm --methods: 'name:knob=value:...'
+items parsed, checked and expanded, k=A..B: one method per K, before any engine starts).
+
+Names: ``ours`` is the cost-aware scheduler (pipeline.vllm_spec.scheduler) over vLLM's
+``draft_model`` drafter with probabilistic drafting, ``ours-eagle3`` the same scheduler over
+vLLM's EAGLE-3 drafter, ``proposer`` the ``custom_class`` proposer
+(pipeline.vllm_spec.proposer); ``draft_model``, ``eagle3``, ``ngram``, ``suffix`` are vLLM's
+own at a fixed K, ``none`` no speculation."""
 
 from __future__ import annotations
 
@@ -12,20 +19,24 @@ PROPOSER_CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
 SCHEDULER_CLASS = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
 # The committed EAGLE-3 head of the embedded target (jobs.train_tiny --head-for).
 DEFAULT_HEAD = str(Path(__file__).resolve().parents[2] / "models" / "eagle3-head")
-# Knobs each method takes; any other knob of `ours` is a proposer setting (SPECBOUND_PROPOSER).
-# cost_aware=true runs vLLM's drafter under our scheduler (each step's K from its own model).
+# Knobs each method takes; any other knob of `proposer` is a proposer setting
+# (SPECBOUND_PROPOSER); design goes to the scheduler (PlannerConfig: policy, fixed, off).
 METHOD_KNOBS: dict[str, set[str]] = {
     "none": set(),
-    "draft_model": {"k", "schedule", "draft_sample_method", "cost_aware"},
-    "eagle3": {"k", "head", "cost_aware"},
+    "ours": {"k", "design", "draft_sample_method"},
+    "ours-eagle3": {"k", "head", "design"},
+    "draft_model": {"k", "schedule", "draft_sample_method"},
+    "eagle3": {"k", "head"},
     "ngram": {"k", "min", "max"},
     "suffix": {"k"},
-    "ours": {"k"},
+    "proposer": {"k"},
 }
+DRAFTERS = {"ours": "draft_model", "ours-eagle3": "eagle3"}  # vLLM's drafter under ours
 # k=1..6 expands to one method per K. ngram leaves prompt_lookup_min/max unset: vLLM then
 # uses 5..5. The schedule is (first batch size: K) ranges, each to the next one's start.
 DEFAULT_METHODS = (
-    "none,draft_model:k=1..6,ngram:k=4,suffix,draft_model:k=4:schedule=1:4/4:3/8:2/16:1,ours:k=6"
+    "none,ours:k=4,draft_model:k=1..4,draft_model:k=1..4:draft_sample_method=probabilistic,"
+    "draft_model:k=4:schedule=1:4/4:3/8:2/16:1"
 )
 
 
@@ -35,35 +46,44 @@ class Method:
     name: str
     knobs: dict = field(default_factory=dict)
 
-    def entry(self, draft: str, head: str = DEFAULT_HEAD) -> dict:
+    def entry(self, draft: str, head: str = DEFAULT_HEAD, policy: dict | None = None) -> dict:
         """The run_cells method entry: speculative_config, engine kwargs and env, proposer
-        stats."""
+        stats. ``policy``: the scheduler's settings for ours and ours-eagle3 (PlannerConfig
+        fields; the knob ``design`` adds to them)."""
         k, knobs = self.knobs.get("k"), self.knobs
         if self.name == "none":
             return {"name": self.label, "speculative_config": None}
-        config: dict = {"method": self.name}
+        name = DRAFTERS.get(self.name, self.name)
+        config: dict = {"method": name}
         if k is not None:
             config["num_speculative_tokens"] = int(k)
         entry: dict = {"name": self.label, "speculative_config": config}
-        if self.name == "draft_model":
+        if name == "draft_model":
             config["model"] = draft
-            if "draft_sample_method" in knobs:
-                config["draft_sample_method"] = knobs["draft_sample_method"]
+            # ours drafts by sampling at T > 0 (the draft's probabilities enter the rejection
+            # test: sum min(p, q) accepted, not p(argmax q)); at T = 0 it is the argmax.
+            default = "probabilistic" if self.name == "ours" else None
+            if knobs.get("draft_sample_method", default):
+                config["draft_sample_method"] = knobs.get("draft_sample_method", default)
             if "schedule" in knobs:
                 config["num_speculative_tokens_per_batch_size"] = parse_schedule(knobs["schedule"])
-        elif self.name == "eagle3":
+        elif name == "eagle3":
             config["model"] = str(knobs.get("head", head))
         elif self.name == "ngram":
             config.update(
                 {f"prompt_lookup_{b}": int(knobs[b]) for b in ("min", "max") if b in knobs}
             )
-        elif self.name == "ours":
+        elif name == "proposer":
             config.update(method="custom_class", model=PROPOSER_CLASS)
             settings = {key: v for key, v in knobs.items() if key != "k"}
             entry["env"] = {"SPECBOUND_PROPOSER": json.dumps(settings)}
             entry["proposer_stats"] = True
-        if knobs.get("cost_aware") is True:
+        if self.name in DRAFTERS:
             entry["engine_kwargs"] = {"scheduler_cls": SCHEDULER_CLASS}
+            settings = dict(policy or {}) | (
+                {"design": knobs["design"]} if "design" in knobs else {}
+            )
+            entry["env"] = {"SPECBOUND_SCHEDULER": json.dumps(settings)}
         return entry
 
 
@@ -91,7 +111,7 @@ def _value(text: str):
 
 
 def parse_methods(text: str) -> list[Method]:
-    """'none,draft_model:k=1..3,ours:k=6:temperature=1' -> Methods; k=A..B expands."""
+    """'none,draft_model:k=1..3,proposer:k=6:temperature=1' -> Methods; k=A..B expands."""
     out: list[Method] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -121,7 +141,7 @@ def parse_methods(text: str) -> list[Method]:
 
 
 def _expand(name: str, knobs: dict, item: str) -> list[Method]:
-    if name != "ours":
+    if name != "proposer":
         bad = set(knobs) - METHOD_KNOBS[name]
         if bad:
             raise ValueError(
@@ -129,7 +149,7 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
                 f"{', '.join(sorted(METHOD_KNOBS[name])) or 'none'})"
             )
     k = knobs.get("k")
-    if name in ("draft_model", "eagle3", "ours", "ngram") and k is None:
+    if name in ("draft_model", "eagle3", "ours", "ours-eagle3", "proposer", "ngram") and k is None:
         raise ValueError(f"method {item!r} needs k=<draft tokens> (or k=A..B)")
     ks = [None]
     if k is not None:
@@ -142,8 +162,10 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
             raise ValueError(f"method {item!r}: k must be >= 1, got {k!r}")
     if "schedule" in knobs:
         parse_schedule(knobs["schedule"])
-    if knobs.get("cost_aware", "true") not in ("true", "false"):
-        raise ValueError(f"method {item!r}: cost_aware is true or false")
+    if knobs.get("design", "policy") not in ("policy", "fixed", "off"):
+        raise ValueError(f"method {item!r}: design is policy, fixed or off")
+    if knobs.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
+        raise ValueError(f"method {item!r}: draft_sample_method is greedy or probabilistic")
     out = []
     for kk in ks:
         values = {key: _value(v) for key, v in knobs.items() if key not in ("k", "schedule")}

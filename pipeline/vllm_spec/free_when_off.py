@@ -1,0 +1,65 @@
+"""A step that drafts nothing costs what a step without speculation costs (installed by the
+plugin over vLLM 0.32's ``GPUModelRunner``, which the CPU runner inherits).
+
+Besides the draft's forward (skipped by pipeline.vllm_spec.catch_up_draft), a speculating
+runner does two things at every step that a step drafting nothing does not need:
+
+- it samples through the rejection sampler even when no row has a draft token (its metadata
+  is built whenever speculation is configured), which at T = 0 adds an argmax and a kernel
+  call per step: with no draft token anywhere, the plain sampler gives the same tokens, so
+  that step is sampled by it (a request asking for logprobs keeps vLLM's path);
+- before calling the drafter it prepares the drafter's inputs (next tokens, padded inputs):
+  when the drafter would skip the step anyway, the runner now asks it first and skips that
+  preparation too.
+Measured on this CPU: the two together are most of what a speculating engine at k = 0 cost
+over ``none`` once the draft forward was gone (docs/vllm_plugin.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer, step_rows
+
+_sample = GPUModelRunner._sample
+_propose = GPUModelRunner.propose_draft_token_ids
+
+
+def sample(self: GPUModelRunner, logits: torch.Tensor, spec_decode_metadata: Any):
+    sampling_metadata = self.input_batch.sampling_metadata
+    if (
+        spec_decode_metadata is not None
+        and spec_decode_metadata.max_spec_len == 0
+        and sampling_metadata.max_num_logprobs is None
+        and not self.use_async_scheduling
+    ):
+        self.input_batch.update_async_output_token_ids()
+        return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+    return _sample(self, logits, spec_decode_metadata)
+
+
+def propose_draft_token_ids(self: GPUModelRunner, scheduler_output: Any, *args: Any, **kw: Any):
+    drafter = getattr(self, "drafter", None)
+    if (
+        scheduler_output.num_spec_tokens_to_schedule == 0
+        and isinstance(drafter, CatchUpDraftModelProposer)
+        and not self.use_async_scheduling
+    ):
+        cad = kw.get("common_attn_metadata", args[6] if len(args) > 6 else None)
+        if cad is not None:
+            starts, lens = step_rows(cad)
+            rows = list(self.input_batch.req_ids[: cad.batch_size()])
+            if drafter.skip_step(rows, starts, lens):
+                self._draft_probs = None
+                self._draft_prob_req_ids = None
+                return torch.empty(len(rows), 0, dtype=torch.int64, device=self.device)
+            drafter._decided_by_runner = True  # a full backlog: the forward runs, at k = 0
+    return _propose(self, scheduler_output, *args, **kw)
+
+
+def install() -> None:
+    GPUModelRunner._sample = sample
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

@@ -1,0 +1,79 @@
+"""What the scheduler knows about a pair before its first step: the offline acceptance model's
+mean acceptance per decoding mode (``acceptance.json``: jobs.train_acceptance) and vLLM's step
+costs with the expected union of experts (``vllm_costmodel.json``: jobs.calibrate_vllm).
+
+Both are looked up beside the draft (or EAGLE-3 head), then in its parent folder when the
+artifact there names this draft (the embedded ``models/draft`` keeps its artifacts in
+``models/``). A step-cost model measured on another kind of device is not used as a prior
+(its numbers are another machine's); online refinement starts from the weak default then.
+Reads JSON only: it runs in vLLM's engine process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES = ("greedy", "sampled")
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+
+
+def mode_of(temperature: float | None) -> str:
+    return "greedy" if temperature is None or temperature < SAMPLING_EPS else "sampled"
+
+
+@dataclass(frozen=True)
+class Priors:
+    rates: dict[str, float] = field(default_factory=dict)  # mode -> per-token acceptance
+    cost: tuple[float, float, float, float, float] | None = None  # c0, c_pos, c_union, d0, d_row
+    union: tuple[int, int, float] | None = None  # E, top_k, r of U(P) = E - (E - k) r^(P-1)
+    sources: tuple[str, ...] = ()
+
+
+def _find(draft: Path, name: str) -> tuple[Path, dict[str, Any]] | None:
+    for folder in (draft, draft.parent):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if folder == draft:
+            return path, body
+        pair = body.get("meta", {}).get("pair") or body.get("provenance") or {}
+        named = Path(str(pair.get("draft_model", ""))).name
+        if named == draft.name:
+            return path, body
+    return None
+
+
+def load_priors(draft: str | Path | None, device: str = "cpu") -> Priors:
+    """The pair's priors (empty where an artifact is missing or does not fit)."""
+    if not draft:
+        return Priors()
+    draft = Path(draft)
+    rates: dict[str, float] = {}
+    cost = union = None
+    sources: list[str] = []
+    found = _find(draft, "acceptance.json")
+    if found is not None:
+        path, body = found
+        for mode in MODES:
+            prior = body.get("modes", {}).get(mode, {}).get("prior")
+            if isinstance(prior, int | float) and 0.0 < prior < 1.0:
+                rates[mode] = float(prior)
+        if rates:
+            sources.append(str(path))
+    found = _find(draft, "vllm_costmodel.json")
+    if found is not None:
+        path, body = found
+        measured = body.get("provenance", {}).get("device", "")
+        c = body.get("cost", {})
+        if measured.split(":")[0] == device.split(":")[0] and "b0" in c:
+            cost = (c["b0"], c["b_pos"], c["b_union"], c["d0"], c["d_tok"])
+            union = (int(c["experts"]), int(c["top_k"]), float(c["union_decay"]))
+            sources.append(str(path))
+    return Priors(rates, cost, union, tuple(sources))
