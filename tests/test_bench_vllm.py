@@ -69,7 +69,7 @@ def test_bench_vllm_smoke(tmp_path):
             "--repeats",
             "1",
             "--methods",
-            "none,draft_model:k=2",
+            "none,draft_model:k=2,ours:k=2",
             "--out",
             str(out),
         ],
@@ -95,13 +95,19 @@ def test_bench_vllm_smoke(tmp_path):
     ]
     for cell in summary["cells"]:
         methods = cell["methods"]
-        expected = {"none", "draft_model:k=2", "engine ar", "engine throughput"}
+        expected = {"none", "draft_model:k=2", "ours:k=2", "engine ar", "engine throughput"}
         assert expected | {f"engine fixed:k={k}" for k in range(1, 7)} <= methods.keys()
         assert all(row["tok_s"] > 0 for row in methods.values())
         assert methods["none"]["vs_none"] == pytest.approx(1.0)
         assert methods["draft_model:k=2"]["accepted_len"] >= 1.0
         assert methods["none"]["accepted_len"] is None  # no speculation, no drafts
         assert cell["best_engine_fixed"].startswith("engine fixed:k=")
+        # ours against its floor, max(none, the best fixed K of its drafter); the plugin's
+        # drafter counts the steps it skipped
+        ours = methods["ours:k=2"]
+        floor = max(methods["none"]["tok_s"], methods["draft_model:k=2"]["tok_s"])
+        assert ours["vs_floor"] == pytest.approx(ours["tok_s"] / floor)
+        assert 0.0 <= ours["skipped"] <= 1.0 and methods["none"]["skipped"] is None
     assert summary["errors"] == {}
     # Greedy speculative decoding is lossless: vLLM's draft model repeats vLLM's own text.
     same = summary["texts"]["draft_model:k=2"]["none"]
@@ -110,7 +116,7 @@ def test_bench_vllm_smoke(tmp_path):
 
     raw = json.loads((out / "raw.json").read_text())
     vllm_runs = [r for r in raw["runs"] if not r["method"].startswith("engine")]
-    assert [r["method"] for r in vllm_runs] == ["none", "draft_model:k=2"]
+    assert [r["method"] for r in vllm_runs] == ["none", "draft_model:k=2", "ours:k=2"]
     for run in raw["runs"]:
         assert all(len(o) == 8 for c in run["cells"] for o in c["outputs"])  # ignore_eos
         assert [len(c["outputs"]) for c in run["cells"]] == [2, 2]  # max(limit, c) prompts

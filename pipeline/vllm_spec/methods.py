@@ -20,11 +20,12 @@ SCHEDULER_CLASS = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
 # The committed EAGLE-3 head of the embedded target (jobs.train_tiny --head-for).
 DEFAULT_HEAD = str(Path(__file__).resolve().parents[2] / "models" / "eagle3-head")
 # Knobs each method takes; any other knob of `proposer` is a proposer setting
-# (SPECBOUND_PROPOSER); design goes to the scheduler (PlannerConfig: policy, fixed, off).
+# (SPECBOUND_PROPOSER), any other knob of `ours` and `ours-eagle3` a scheduler setting
+# (SPECBOUND_SCHEDULER: PlannerConfig's fields, e.g. design=off, decay=0.8).
 METHOD_KNOBS: dict[str, set[str]] = {
     "none": set(),
-    "ours": {"k", "design", "draft_sample_method"},
-    "ours-eagle3": {"k", "head", "design"},
+    "ours": {"k", "draft_sample_method"},
+    "ours-eagle3": {"k", "head"},
     "draft_model": {"k", "schedule", "draft_sample_method"},
     "eagle3": {"k", "head"},
     "ngram": {"k", "min", "max"},
@@ -49,7 +50,7 @@ class Method:
     def entry(self, draft: str, head: str = DEFAULT_HEAD, policy: dict | None = None) -> dict:
         """The run_cells method entry: speculative_config, engine kwargs and env, proposer
         stats. ``policy``: the scheduler's settings for ours and ours-eagle3 (PlannerConfig
-        fields; the knob ``design`` adds to them)."""
+        fields; the method's own scheduler knobs add to them)."""
         k, knobs = self.knobs.get("k"), self.knobs
         if self.name == "none":
             return {"name": self.label, "speculative_config": None}
@@ -80,10 +81,8 @@ class Method:
             entry["proposer_stats"] = True
         if self.name in DRAFTERS:
             entry["engine_kwargs"] = {"scheduler_cls": SCHEDULER_CLASS}
-            settings = dict(policy or {}) | (
-                {"design": knobs["design"]} if "design" in knobs else {}
-            )
-            entry["env"] = {"SPECBOUND_SCHEDULER": json.dumps(settings)}
+            own = {key: v for key, v in knobs.items() if key not in METHOD_KNOBS[self.name]}
+            entry["env"] = {"SPECBOUND_SCHEDULER": json.dumps(dict(policy or {}) | own)}
         return entry
 
 
@@ -141,7 +140,15 @@ def parse_methods(text: str) -> list[Method]:
 
 
 def _expand(name: str, knobs: dict, item: str) -> list[Method]:
-    if name != "proposer":
+    if name in DRAFTERS:  # the scheduler's own settings, checked as it will check them
+        from pipeline.vllm_spec.step_planner import PlannerConfig
+
+        own = {key: _value(v) for key, v in knobs.items() if key not in METHOD_KNOBS[name]}
+        try:
+            PlannerConfig(**own)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"method {item!r}: {exc}") from None
+    elif name != "proposer":
         bad = set(knobs) - METHOD_KNOBS[name]
         if bad:
             raise ValueError(
@@ -162,8 +169,6 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
             raise ValueError(f"method {item!r}: k must be >= 1, got {k!r}")
     if "schedule" in knobs:
         parse_schedule(knobs["schedule"])
-    if knobs.get("design", "policy") not in ("policy", "fixed", "off"):
-        raise ValueError(f"method {item!r}: design is policy, fixed or off")
     if knobs.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
         raise ValueError(f"method {item!r}: draft_sample_method is greedy or probabilistic")
     out = []
