@@ -50,23 +50,25 @@ def scenarios(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _compare(scenarios, name: str) -> tuple[int, int]:
-    never, other = scenarios["never_skipped"]["proposals"], scenarios[name]["proposals"]
+def _compare(scenarios, name: str, tag: str = "") -> tuple[int, int]:
+    never, other = scenarios[f"{tag}never_skipped"]["proposals"], scenarios[name]["proposals"]
     common = sorted(set(never) & set(other))
     return len(common), sum(never[key] != other[key] for key in common)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["skipped", "skipped_flushing"])
-def test_a_draft_that_skips_steps_proposes_what_one_that_never_skipped_does(scenarios, run):
+@pytest.mark.parametrize("tag", ["", "head_"], ids=["draft_model", "eagle3_head"])
+@pytest.mark.parametrize("kind", ["skipped", "skipped_flushing"])
+def test_a_draft_that_skips_steps_proposes_what_one_that_never_skipped_does(scenarios, tag, kind):
+    run = tag + kind
     stats = scenarios[run]["stats"]
     assert stats["skipped"] > 0.5 * stats["steps"]  # stretches of 1-20 skipped steps
     assert stats["caught_up"] > 0
-    common, differ = _compare(scenarios, run)
+    common, differ = _compare(scenarios, run, tag)
     assert common >= 20, "too few proposals at the same committed text to compare"
     assert differ == 0
     assert scenarios[run]["text"] == scenarios["plain"]
-    if run == "skipped_flushing":
+    if kind == "skipped_flushing":
         assert stats["flushed"] > 0  # a full backlog ran the forward at k = 0
 
 
@@ -79,12 +81,13 @@ def test_an_engine_that_drafts_nothing_samples_as_one_without_speculation(scenar
 
 
 @pytest.mark.slow
-def test_skipping_without_catching_up_would_be_caught(scenarios):
+@pytest.mark.parametrize("tag", ["", "head_"], ids=["draft_model", "eagle3_head"])
+def test_skipping_without_catching_up_would_be_caught(scenarios, tag):
     """The comparison above has power: the same skips without the catch-up draft from a stale
     KV cache and propose other tokens (the text stays greedy: vLLM verifies every token)."""
-    common, differ = _compare(scenarios, "skipped_stale")
+    common, differ = _compare(scenarios, f"{tag}skipped_stale", tag)
     assert common >= 20 and differ > 0
-    assert scenarios["skipped_stale"]["text"] == scenarios["plain"]
+    assert scenarios[f"{tag}skipped_stale"]["text"] == scenarios["plain"]
 
 
 @pytest.mark.slow

@@ -20,6 +20,11 @@ sys.path.insert(0, ROOT)
 from vllm_scenarios import TEXTS, engine, ids, spec_counters  # noqa: E402
 
 DRAFT = os.path.join(ROOT, "models", "draft")
+HEAD = os.path.join(ROOT, "models", "eagle3-head")
+DRAFTERS = {
+    "draft": {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3},
+    "head": {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3},
+}
 TARGET = os.path.join(ROOT, "models", "target")
 STRETCHES_ENV = "SPECBOUND_TEST_STRETCHES"
 RECORDS: list[list[Any]] = []  # [request id, committed tokens, proposal] per drafted row
@@ -60,17 +65,22 @@ class StretchScheduler(Scheduler):
 
 
 def proposals(
-    params, skip: bool, seed: int = 0, catch_up: bool = True, backlog: int | None = None
+    params,
+    skip: bool,
+    seed: int = 0,
+    catch_up: bool = True,
+    backlog: int | None = None,
+    drafter: str = "draft",
 ) -> dict:
     """Greedy text and every proposal keyed by (prompt, committed length)."""
-    from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer
+    from pipeline.vllm_spec.catch_up_draft import CatchUp
     from pipeline.vllm_spec.stats import read_drafter_stats
 
     os.environ[STRETCHES_ENV] = json.dumps({"skip": skip, "seed": seed})
     # The engine imports this file as a module of its own (scheduler_cls), not as __main__.
     records = importlib.import_module("vllm_plugin_scenarios").RECORDS
-    CatchUpDraftModelProposer.catch_up = catch_up
-    CatchUpDraftModelProposer.backlog_limit = backlog
+    CatchUp.catch_up = catch_up
+    CatchUp.backlog_limit = backlog
     records.clear()
     stats_path = os.path.join(
         os.environ["SPECBOUND_TEST_DIR"], f"drafter_{skip}_{catch_up}_{backlog}"
@@ -78,17 +88,14 @@ def proposals(
     if os.path.exists(stats_path):
         os.remove(stats_path)
     os.environ["SPECBOUND_DRAFTER_STATS"] = stats_path
-    llm = engine(
-        {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 3},
-        scheduler_cls="vllm_plugin_scenarios.StretchScheduler",
-    )
+    llm = engine(DRAFTERS[drafter], scheduler_cls="vllm_plugin_scenarios.StretchScheduler")
     outs = llm.generate(TEXTS, params)
     # The engine's request ids are the outputs' with a suffix ("0" -> "0-9ce234d8").
     order = {o.request_id: i for i, o in enumerate(outs)}
     keyed = {f"{order[r.split('-')[0]]}:{n}": p for r, n, p in records}
     result = {"text": ids(outs), "proposals": keyed, "stats": read_drafter_stats(stats_path)}
-    CatchUpDraftModelProposer.catch_up = True
-    CatchUpDraftModelProposer.backlog_limit = None
+    CatchUp.catch_up = True
+    CatchUp.backlog_limit = None
     del llm
     return result
 
@@ -99,7 +106,7 @@ def main(out_path: str) -> None:
     from vllm import SamplingParams
 
     result: dict = {}
-    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     seeded = [
         SamplingParams(temperature=1.0, seed=7 + i, max_tokens=32, ignore_eos=True)
         for i in range(len(TEXTS))
@@ -119,10 +126,16 @@ def main(out_path: str) -> None:
     result["off_seeded"] = ids(llm.generate(TEXTS, seeded))
     result["off_spec"] = spec_counters(llm)
     del llm
-    result["never_skipped"] = proposals(greedy, skip=False)
-    result["skipped"] = proposals(greedy, skip=True, seed=1)
-    result["skipped_flushing"] = proposals(greedy, skip=True, seed=2, backlog=48)
-    result["skipped_stale"] = proposals(greedy, skip=True, seed=1, catch_up=False)
+    for name in DRAFTERS:
+        tag = "" if name == "draft" else f"{name}_"
+        result[f"{tag}never_skipped"] = proposals(greedy, skip=False, drafter=name)
+        result[f"{tag}skipped"] = proposals(greedy, skip=True, seed=1, drafter=name)
+        result[f"{tag}skipped_flushing"] = proposals(
+            greedy, skip=True, seed=2, backlog=48, drafter=name
+        )
+        result[f"{tag}skipped_stale"] = proposals(
+            greedy, skip=True, seed=1, catch_up=False, drafter=name
+        )
     # The target drafting for itself at T = 1: identical distributions accept every token.
     sampled = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
     for method in ("probabilistic", "greedy"):

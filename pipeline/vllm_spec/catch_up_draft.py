@@ -1,20 +1,25 @@
-"""vLLM's ``draft_model`` drafter, free when a step drafts nothing (installed by the plugin,
-pipeline.vllm_spec.plugin).
+"""vLLM's drafters, free when a step drafts nothing (installed by the plugin,
+pipeline.vllm_spec.plugin): ``draft_model`` and ``eagle3``.
 
 vLLM 0.32 runs the draft's first pass at every step, also when the step drafts 0 tokens
 (``SpecDecodeBaseProposer.propose``: "the prefill forward pass above already ran to keep the
-drafter KV cache in sync"), so k = 0 costs a draft forward. This subclass skips that forward
-and remembers, per request, the first position whose draft KV it did not write. When the
-request drafts again, its first pass is extended backwards over every token it missed: their
-ids are the request's committed tokens (``input_batch.token_ids_cpu``), their positions
-precede the step's own, and vLLM's first pass recomputes the slots of all of them from the
-request's block table (``compute_new_slot_mapping``), so the missed KV lands in the request's
-own slots and the proposals equal those of a draft that never stopped.
+drafter KV cache in sync"), so k = 0 costs a draft forward. These subclasses skip that forward
+and remember, per request, the first position whose draft KV they did not write. When the
+request drafts again, its first pass is extended backwards over every position it missed:
+their token ids are the request's committed tokens (``input_batch.token_ids_cpu``), their
+positions precede the step's own, and their slots are the request's own (its block table), so
+the proposals equal those of a draft that never stopped.
+
+An EAGLE-3 head also reads the target's hidden states (its tapped layers) at every position
+it processes, which vLLM hands the drafter for the step's own tokens only: the skipped steps'
+are kept per request (CPU memory: the tapped width x 4 bytes per missed token, e.g. 1.5 KB for
+the embedded target, 48 KB for three taps of a 4096-wide model) until it catches up.
 
 Bounded: when skipping a step would leave more than ``backlog_tokens`` missed tokens in the
-batch, the step runs its (extended) first pass anyway and proposes nothing, as vLLM does; the
-backlog then is empty again. Counters (steps, skipped, caught-up tokens) go to the memory-mapped
-file named by ``SPECBOUND_DRAFTER_STATS`` when set.
+batch (default half the drafter's token buffers, ``max_num_batched_tokens``), the step runs its
+(extended) first pass anyway and proposes nothing, as vLLM does; the backlog is then empty.
+Counters (steps, skipped, caught-up tokens) go to the memory-mapped file named by
+``SPECBOUND_DRAFTER_STATS`` when set.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 import numpy as np
 import torch
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.eagle import EagleProposer
 
 from pipeline.vllm_spec.stats import DRAFTER_FIELDS, DRAFTER_STATS_ENV, StatsFile
 
@@ -37,7 +43,9 @@ def step_rows(cad) -> tuple[np.ndarray, np.ndarray]:
     return starts, lens
 
 
-class CatchUpDraftModelProposer(DraftModelProposer):
+class CatchUp:
+    """The skip-and-catch-up logic, over any vLLM drafter built on SpecDecodeBaseProposer."""
+
     # False only in tests: skip without catching up (the stale draft the catch-up prevents).
     catch_up = True
     # Missed tokens a batch may carry before a k = 0 step runs its forward anyway; None: half
@@ -51,7 +59,8 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         self.runner = runner
         # request id -> first position whose draft KV is missing
         self.missed_from: dict[str, int] = {}
-        # Extended first passes must fit the drafter's buffers (max_num_batched_tokens).
+        # request id -> [(first position, the target's hidden states from there)] (EAGLE)
+        self.missed_hidden: dict[str, list[tuple[int, torch.Tensor]]] = {}
         limit = self.backlog_limit
         self.backlog_tokens = self.max_num_tokens // 2 if limit is None else limit
         path = os.environ.get(DRAFTER_STATS_ENV)
@@ -64,9 +73,16 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         if self.stats is not None:
             self.stats.add(**deltas)
 
-    def skip_step(self, req_ids: list[str], starts: np.ndarray, lens: np.ndarray) -> bool:
-        """Skip this k = 0 step's draft forward (True, remembering what each row misses), or
-        run it to empty a backlog that would pass ``backlog_tokens`` (False)."""
+    def skip_step(
+        self,
+        req_ids: list[str],
+        starts: np.ndarray,
+        lens: np.ndarray,
+        hidden: torch.Tensor | None = None,
+    ) -> bool:
+        """Skip this k = 0 step's draft forward (True, remembering what each row misses and,
+        for a drafter that reads them, the step's target hidden states), or run it to empty a
+        backlog that would pass ``backlog_tokens`` (False)."""
         ends = starts + lens
         backlog = sum(
             int(end) - self.missed_from.get(r, int(s))
@@ -76,8 +92,13 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         if backlog > self.backlog_tokens:
             self._count(flushed=1)
             return False
-        for req_id, start in zip(req_ids, starts, strict=True):
+        offset = 0
+        for req_id, start, n in zip(req_ids, starts, lens, strict=True):
             self.missed_from[req_id] = min(self.missed_from.get(req_id, int(start)), int(start))
+            if self.pass_hidden_states_to_model and hidden is not None:
+                chunk = hidden[offset : offset + int(n)].to("cpu", copy=True)
+                self.missed_hidden.setdefault(req_id, []).append((int(start), chunk))
+            offset += int(n)
         self._last_draft_probs = None
         self._count(skipped=1)
         return True
@@ -100,18 +121,31 @@ class CatchUpDraftModelProposer(DraftModelProposer):
         req_ids = list(self.runner.input_batch.req_ids[:batch])
         starts, lens = step_rows(cad)
         if num_speculative_tokens == 0 and not self._decided_by_runner:
-            if self.skip_step(req_ids, starts, lens):
+            if self.skip_step(req_ids, starts, lens, target_hidden_states):
                 return torch.empty(batch, 0, dtype=torch.int64, device=target_token_ids.device)
         elif num_speculative_tokens > 0:
             self._count(steps=1)
         self._decided_by_runner = False
         started = time.perf_counter()
         if self.catch_up and any(r in self.missed_from for r in req_ids):
-            target_token_ids, target_positions, target_hidden_states, cad = self._with_missed(
-                req_ids, starts, target_token_ids, target_positions, target_hidden_states, cad
+            (
+                target_token_ids,
+                target_positions,
+                target_hidden_states,
+                token_indices_to_sample,
+                cad,
+            ) = self._with_missed(
+                req_ids,
+                starts,
+                target_token_ids,
+                target_positions,
+                target_hidden_states,
+                token_indices_to_sample,
+                cad,
             )
         for req_id in req_ids:
             self.missed_from.pop(req_id, None)
+            self.missed_hidden.pop(req_id, None)
         self._forget_finished()
         out = super().propose(
             num_speculative_tokens,
@@ -133,37 +167,72 @@ class CatchUpDraftModelProposer(DraftModelProposer):
             alive = set(self.runner.requests)
             for req_id in [r for r in self.missed_from if r not in alive]:
                 del self.missed_from[req_id]
+                self.missed_hidden.pop(req_id, None)
 
-    def _with_missed(self, req_ids, starts, token_ids, positions, hidden, cad):
-        """The step's inputs with each request's missed tokens put before its own."""
+    def _hidden_from(self, req_id: str, first: int, start: int, like: torch.Tensor):
+        """The kept target hidden states of positions [first, start): later chunks overwrite
+        earlier ones (a rejected draft's position is processed again)."""
+        out = torch.zeros(start - first, like.shape[-1], dtype=like.dtype)
+        for chunk_start, chunk in self.missed_hidden.get(req_id, []):
+            lo, hi = max(chunk_start, first), min(chunk_start + len(chunk), start)
+            if lo < hi:
+                out[lo - first : hi - first] = chunk[lo - chunk_start : hi - chunk_start]
+        return out
+
+    def _with_missed(self, req_ids, starts, token_ids, positions, hidden, to_sample, cad):
+        """The step's inputs with each request's missed positions put before its own."""
         token_ids_cpu = self.runner.input_batch.token_ids_cpu
         loc = cad.query_start_loc_cpu.to(torch.int64).tolist()
-        ids_parts, pos_parts, lens = [], [], []
-        caught_up = 0
+        reads_hidden = self.pass_hidden_states_to_model
+        ids_parts, pos_parts, hid_parts, lens, added = [], [], [], [], []
         for i, req_id in enumerate(req_ids):
             start = int(starts[i])
             first = min(self.missed_from.get(req_id, start), start)
             if first < start:
                 ids_parts.append(torch.from_numpy(token_ids_cpu[i, first:start].astype(np.int64)))
                 pos_parts.append(torch.arange(first, start, dtype=torch.int64))
-                caught_up += start - first
+                if reads_hidden:
+                    hid_parts.append(self._hidden_from(req_id, first, start, hidden))
             ids_parts.append(token_ids[loc[i] : loc[i + 1]].cpu().to(torch.int64))
             pos_parts.append(positions[loc[i] : loc[i + 1]].cpu().to(torch.int64))
+            if reads_hidden:
+                hid_parts.append(hidden[loc[i] : loc[i + 1]].cpu())
             lens.append(start - first + loc[i + 1] - loc[i])
-        self._count(caught_up=caught_up)
+            added.append(start - first)
+        self._count(caught_up=sum(added))
         device = token_ids.device
         new_ids = torch.cat(ids_parts).to(device=device, dtype=token_ids.dtype)
-        new_pos = torch.cat(pos_parts).to(device=device, dtype=positions.dtype)
+        new_pos = torch.cat(pos_parts)
+        new_hidden = torch.cat(hid_parts).to(device=device) if reads_hidden else hidden
         query_start = torch.zeros(len(lens) + 1, dtype=cad.query_start_loc_cpu.dtype)
         query_start[1:] = torch.cumsum(torch.tensor(lens), 0)
+        # Slots of every position from the request's block table (vLLM's first pass
+        # recomputes them for a draft model; an EAGLE head takes these as they are).
+        rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        table = cad.block_table_tensor.cpu()
+        block = table[rows, new_pos // self.block_size].to(torch.int64)
+        slots = block * self.block_size + new_pos % self.block_size
+        if to_sample is not None:  # the sampled index of each row moves by what it gained
+            shift = torch.cumsum(torch.tensor(added), 0).to(to_sample.device, to_sample.dtype)
+            to_sample = to_sample + shift
         new_cad = cad.replace(
             query_start_loc=query_start.to(cad.query_start_loc.device),
             query_start_loc_cpu=query_start,
             num_actual_tokens=int(query_start[-1]),
             max_query_len=max(lens),
-            positions=None if cad.positions is None else new_pos,
+            slot_mapping=slots.to(device=cad.slot_mapping.device, dtype=cad.slot_mapping.dtype),
+            positions=None if cad.positions is None else new_pos.to(cad.positions.device),
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        # A draft model reads no target hidden states (only EAGLE-style drafters do).
-        return new_ids, new_pos, hidden, new_cad
+        new_pos = new_pos.to(device=device, dtype=positions.dtype)
+        return new_ids, new_pos, new_hidden, to_sample, new_cad
+
+
+class CatchUpDraftModelProposer(CatchUp, DraftModelProposer):
+    """vLLM's ``draft_model`` drafter, free at k = 0."""
+
+
+class CatchUpEagleProposer(CatchUp, EagleProposer):
+    """vLLM's ``eagle3`` (EAGLE) drafter, free at k = 0: it keeps the skipped steps' hidden
+    states of the target's tapped layers until it catches up."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer, step_rows
+from pipeline.vllm_spec.catch_up_draft import CatchUp, step_rows
 
 _sample = GPUModelRunner._sample
 _propose = GPUModelRunner.propose_draft_token_ids
@@ -45,19 +45,34 @@ def propose_draft_token_ids(self: GPUModelRunner, scheduler_output: Any, *args: 
     drafter = getattr(self, "drafter", None)
     if (
         scheduler_output.num_spec_tokens_to_schedule == 0
-        and isinstance(drafter, CatchUpDraftModelProposer)
+        and isinstance(drafter, CatchUp)
         and not self.use_async_scheduling
     ):
         cad = kw.get("common_attn_metadata", args[6] if len(args) > 6 else None)
         if cad is not None:
             starts, lens = step_rows(cad)
             rows = list(self.input_batch.req_ids[: cad.batch_size()])
-            if drafter.skip_step(rows, starts, lens):
+            hidden = (
+                _target_hidden(self, args, kw, int(lens.sum()))
+                if drafter.pass_hidden_states_to_model
+                else None
+            )
+            if drafter.skip_step(rows, starts, lens, hidden):
                 self._draft_probs = None
                 self._draft_prob_req_ids = None
                 return torch.empty(len(rows), 0, dtype=torch.int64, device=self.device)
             drafter._decided_by_runner = True  # a full backlog: the forward runs, at k = 0
     return _propose(self, scheduler_output, *args, **kw)
+
+
+def _target_hidden(self: GPUModelRunner, args: tuple, kw: dict, n: int) -> torch.Tensor:
+    """The target's hidden states of the step's n scheduled tokens as vLLM hands them to an
+    EAGLE drafter (the tapped layers side by side for EAGLE-3)."""
+    names = ("hidden_states", "sample_hidden_states", "aux_hidden_states")
+    given = dict(zip(names, args[2:5], strict=False)) | {k: kw[k] for k in names if k in kw}
+    if self.use_aux_hidden_state_outputs:
+        return torch.cat([h[:n] for h in given["aux_hidden_states"]], dim=-1)
+    return given["hidden_states"][:n]
 
 
 def install() -> None:

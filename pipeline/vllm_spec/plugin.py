@@ -57,8 +57,12 @@ def register() -> None:
         from vllm.v1.worker import gpu_model_runner
 
         from pipeline.vllm_spec import free_when_off
-        from pipeline.vllm_spec.catch_up_draft import CatchUpDraftModelProposer
+        from pipeline.vllm_spec.catch_up_draft import (
+            CatchUpDraftModelProposer,
+            CatchUpEagleProposer,
+        )
 
-        # The runner builds its drafter from this module name (GPUModelRunner.__init__).
+        # The runner builds its drafter from these module names (GPUModelRunner.__init__).
         gpu_model_runner.DraftModelProposer = CatchUpDraftModelProposer
+        gpu_model_runner.EagleProposer = CatchUpEagleProposer
         free_when_off.install()
