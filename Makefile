@@ -2,7 +2,7 @@
 #   make demo   run the main job on the embedded default models
 #   make test   lint, format check and the whole test suite (what CI runs), the vLLM
 #               environment (make vllm-env) included
-#   make serve-vllm  the OpenAI-compatible vLLM app with the cost-aware proposer
+#   make serve-vllm  the OpenAI-compatible vLLM app with the cost-aware scheduler (ours)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

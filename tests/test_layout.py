@@ -16,7 +16,13 @@ from pipeline.models.loading import REPO_ROOT
 PACKAGES = ("pipeline", "serving", "jobs", "vllm_serving")
 # Modules that import vLLM (or ray.serve.llm, which needs it): they run in the vLLM
 # environment (.venv-vllm) and are imported there.
-VLLM_ENV = ("pipeline.vllm_spec.scheduler", "vllm_serving.ingress", "vllm_serving.app")
+VLLM_ENV = (
+    "pipeline.vllm_spec.scheduler",
+    "pipeline.vllm_spec.catch_up_draft",
+    "pipeline.vllm_spec.free_when_off",
+    "vllm_serving.ingress",
+    "vllm_serving.app",
+)
 MAX_LINES = 300
 # Modules allowed past MAX_LINES, each with the one idea that needs the length.
 LONG_MODULES: dict[str, str] = {}

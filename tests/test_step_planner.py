@@ -148,3 +148,25 @@ def test_offline_priors_are_the_pairs_acceptance_model_and_calibration(tmp_path)
     assert load_priors(tmp_path / "nothing") == Priors()
     planner = StepPlanner(4, PlannerConfig(), priors)
     assert planner.theta[0] == cost["b0"] and planner.rate("new") == priors.rates["greedy"]
+
+
+def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
+    """One name per mechanism: ours (and ours-eagle3) the scheduler over vLLM's drafter with
+    probabilistic drafting, proposer the custom_class proposer; scheduler knobs travel in
+    SPECBOUND_SCHEDULER."""
+    from pipeline.vllm_spec.methods import PROPOSER_CLASS, SCHEDULER_CLASS, parse_methods
+
+    ours, head, proposer = parse_methods("ours:k=3:design=off,ours-eagle3:k=2,proposer:k=4")
+    entry = ours.entry("models/draft")
+    assert entry["speculative_config"] == {
+        "method": "draft_model",
+        "num_speculative_tokens": 3,
+        "model": "models/draft",
+        "draft_sample_method": "probabilistic",
+    }
+    assert entry["engine_kwargs"] == {"scheduler_cls": SCHEDULER_CLASS}
+    assert json.loads(entry["env"]["SPECBOUND_SCHEDULER"]) == {"design": "off"}
+    assert head.entry("models/draft")["speculative_config"]["method"] == "eagle3"
+    assert proposer.entry("models/draft")["speculative_config"]["model"] == PROPOSER_CLASS
+    with pytest.raises(ValueError, match="unknown method 'cost_aware'"):
+        parse_methods("cost_aware:k=2")

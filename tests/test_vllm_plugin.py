@@ -12,6 +12,7 @@ import pytest
 
 from pipeline.vllm_spec.env import engine_env, vllm_python
 from pipeline.vllm_spec.plugin import check_version, parts
+from tests.vllm_support import run_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,18 +37,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    """tests/vllm_plugin_scenarios.py's results (one process, six engine starts)."""
-    python = _vllm_python()
-    out = tmp_path_factory.mktemp("plugin") / "out.json"
-    done = subprocess.run(
-        [str(python), str(ROOT / "tests" / "vllm_plugin_scenarios.py"), str(out)],
-        env=engine_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
+    """tests/vllm_plugin_scenarios.py's results (one process, a dozen engine starts)."""
+    return run_scenarios("vllm_plugin_scenarios.py", tmp_path_factory.mktemp("plugin") / "o.json")
 
 
 def _compare(scenarios, name: str, tag: str = "") -> tuple[int, int]:

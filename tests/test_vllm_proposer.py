@@ -5,7 +5,6 @@ batch's plan, the step-cost fit, the artifact checks) directly."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,9 +15,9 @@ from pipeline.cost.batch import BatchCost
 from pipeline.decode.batch_economy import plan_lengths
 from pipeline.vllm_spec import config as pconfig
 from pipeline.vllm_spec.contract import VllmProposer
-from pipeline.vllm_spec.env import engine_env, vllm_python
 from pipeline.vllm_spec.rows import StateTable
 from pipeline.vllm_spec.step_fit import fit_step_cost
+from tests.vllm_support import run_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,22 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     """tests/vllm_scenarios.py's results: one vLLM process, eight engine starts (about a minute)."""
-    try:
-        python = vllm_python()
-    except FileNotFoundError as exc:
-        pytest.skip(f"{exc} (make test builds it)")
-    out = tmp_path_factory.mktemp("vllm") / "out.json"
-    done = subprocess.run(
-        [str(python), str(ROOT / "tests" / "vllm_scenarios.py"), str(out)],
-        env=engine_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["log"] = done.stdout + done.stderr
-    return result
+    return run_scenarios("vllm_scenarios.py", tmp_path_factory.mktemp("vllm") / "out.json")
 
 
 @pytest.mark.slow

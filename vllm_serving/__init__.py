@@ -1,5 +1,5 @@
-"""specbound's endpoint on vLLM: Ray Serve runs vLLM's engine with the cost-aware proposer
-(or vLLM's own speculation, or none), OpenAI-compatible, one or more replicas.
+"""specbound's endpoint on vLLM: Ray Serve runs vLLM's engine with the cost-aware scheduler
+(``ours``; or vLLM's own speculation, or none), OpenAI-compatible, one or more replicas.
 
 Runs in the vLLM environment (`.venv-vllm`, `make vllm-env`); the research endpoint
 (`serving`, every policy per request, trees, per-response statistics) runs in the project's.

@@ -25,8 +25,8 @@ def resolve(path: str | None, default: str) -> str:
 
 
 def engine_env(args: VllmAppArgs) -> dict[str, str]:
-    """What every engine replica's processes need: the project on the path (the proposer is
-    imported in vLLM's worker), and on CPU the CPU build's settings."""
+    """What every engine replica's processes need: the project on the path (the scheduler and
+    the plugin's parts are imported in vLLM's processes), and on CPU the CPU build's settings."""
     env = {"PYTHONPATH": str(ROOT)}
     if not args.on_gpu:
         # nobind: 2 cores leave none to pin; the KV cache must fit beside the models.

@@ -51,29 +51,18 @@ def spec_counters(llm: Any) -> dict[str, float]:
     return totals
 
 
-def proposer_stats() -> dict[str, float] | None:
-    """The proposer's counters (pipeline.vllm_spec.stats), or None: no stats file named, no
-    file yet, or the module not there (the proposer is written apart from this harness)."""
-    path = os.environ.get(STATS_ENV)
+def counters(env: str, drafter: bool = False) -> dict[str, float] | None:
+    """The counters in the file ``$env`` names (pipeline.vllm_spec.stats: the proposer's, or
+    with ``drafter`` the plugin's drafter's), or None: no file named, no file yet, or the module
+    not there (the proposer and the plugin are written apart from this harness)."""
+    path = os.environ.get(env)
     if not path or not os.path.exists(path):
         return None
     try:
-        from pipeline.vllm_spec.stats import read_stats
+        from pipeline.vllm_spec.stats import read_drafter_stats, read_stats
     except ImportError:
         return None
-    return {k: float(v) for k, v in read_stats(path).items()}
-
-
-def drafter_stats() -> dict[str, float] | None:
-    """The plugin's drafter counters (steps, skipped, caught-up tokens), or None."""
-    path = os.environ.get(DRAFTER_STATS_ENV)
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        from pipeline.vllm_spec.stats import read_drafter_stats
-    except ImportError:
-        return None
-    return read_drafter_stats(path)
+    return (read_drafter_stats if drafter else read_stats)(path)
 
 
 def _delta(after: dict | None, before: dict | None) -> dict | None:
@@ -159,7 +148,8 @@ def closed_loop(
 
 
 def run_cell(llm: Any, cell: dict, tag: str) -> dict:
-    spec0, prop0, drafter0 = spec_counters(llm), proposer_stats(), drafter_stats()
+    spec0 = spec_counters(llm)
+    prop0, drafter0 = counters(STATS_ENV), counters(DRAFTER_STATS_ENV, drafter=True)
     res = closed_loop(
         llm,
         cell["prompts"],
@@ -174,8 +164,8 @@ def run_cell(llm: Any, cell: dict, tag: str) -> dict:
     drafts = spec["drafts"] if spec else 0.0
     res["mean_accepted_len"] = 1.0 + spec["accepted"] / drafts if drafts else None
     res["acceptance_rate"] = spec["accepted"] / spec["draft_tokens"] if drafts else None
-    res["proposer"] = _delta(proposer_stats(), prop0)
-    res["drafter"] = _delta(drafter_stats(), drafter0)
+    res["proposer"] = _delta(counters(STATS_ENV), prop0)
+    res["drafter"] = _delta(counters(DRAFTER_STATS_ENV, drafter=True), drafter0)
     res.update({k: cell[k] for k in ("domain", "temperature", "concurrency", "max_tokens")})
     res["seed"] = int(cell.get("seed", 0))
     return res
