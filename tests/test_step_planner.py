@@ -170,3 +170,18 @@ def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
     assert proposer.entry("models/draft")["speculative_config"]["model"] == PROPOSER_CLASS
     with pytest.raises(ValueError, match="unknown method 'cost_aware'"):
         parse_methods("cost_aware:k=2")
+
+
+def test_acceptance_fades_back_to_the_prior_while_nothing_is_drafted() -> None:
+    """A replica that stopped drafting after bad luck measures no acceptance; its estimates
+    return to the offline prior step by step, so it drafts again and measures."""
+    planner = StepPlanner(4, PlannerConfig(revert=0.02), Priors(rates={"greedy": 0.8}))
+    for _ in range(30):
+        planner.observe_chain("r", 4, 0)
+    assert planner.rate("r") < 0.1
+    for _ in range(500):  # idle steps: timed, no chain judged
+        planner.observe_step(8, 0, 1, 7.0)
+    assert planner.rate("r") == pytest.approx(0.8, abs=0.02)
+    assert StepPlanner(4, PlannerConfig(revert=0.0)).config.revert == 0.0
+    with pytest.raises(ValueError, match="revert"):
+        PlannerConfig(revert=0.9)

@@ -2,7 +2,7 @@
 plugin over vLLM 0.32's ``GPUModelRunner``, which the CPU runner inherits).
 
 Besides the draft's forward (skipped by pipeline.vllm_spec.catch_up_draft), a speculating
-runner does two things at every step that a step drafting nothing does not need:
+engine does three things at every step that a step drafting nothing does not need:
 
 - it samples through the rejection sampler even when no row has a draft token (its metadata
   is built whenever speculation is configured), which at T = 0 adds an argmax and a kernel
@@ -10,7 +10,11 @@ runner does two things at every step that a step drafting nothing does not need:
   that step is sampled by it (a request asking for logprobs keeps vLLM's path);
 - before calling the drafter it prepares the drafter's inputs (next tokens, padded inputs):
   when the drafter would skip the step anyway, the runner now asks it first and skips that
-  preparation too.
+  preparation too;
+- after every step the engine core asks the worker for the drafted tokens
+  (``EngineCore.post_step``: ``take_draft_token_ids``, a round trip to the worker process in
+  a multiprocess engine): after a step that drafted none it no longer asks (the scheduler has
+  already cleared every request's draft tokens when it scheduled them).
 Measured on this CPU: the two together are most of what a speculating engine at k = 0 cost
 over ``none`` once the draft forward was gone (docs/vllm_plugin.md).
 """
@@ -20,12 +24,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from pipeline.vllm_spec.catch_up_draft import CatchUp, step_rows
 
 _sample = GPUModelRunner._sample
 _propose = GPUModelRunner.propose_draft_token_ids
+_update_from_output = Scheduler.update_from_output
+_post_step = EngineCore.post_step
 
 
 def sample(self: GPUModelRunner, logits: torch.Tensor, spec_decode_metadata: Any):
@@ -75,6 +83,19 @@ def _target_hidden(self: GPUModelRunner, args: tuple, kw: dict, n: int) -> torch
     return given["hidden_states"][:n]
 
 
+def update_from_output(self: Scheduler, scheduler_output: Any, model_runner_output: Any):
+    self.specbound_drafted = scheduler_output.num_spec_tokens_to_schedule
+    return _update_from_output(self, scheduler_output, model_runner_output)
+
+
+def post_step(self: EngineCore, model_executed: bool) -> None:
+    if model_executed and getattr(self.scheduler, "specbound_drafted", None) == 0:
+        return  # nothing was drafted: no draft tokens to take from the worker
+    _post_step(self, model_executed)
+
+
 def install() -> None:
     GPUModelRunner._sample = sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    Scheduler.update_from_output = update_from_output
+    EngineCore.post_step = post_step

@@ -41,6 +41,10 @@ class PlannerConfig:
     explore: float = 0.0  # share of steps whose k is drawn at random
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
+    # Per step, the share by which acceptance evidence fades back to the prior (the offline
+    # rate of the mode; a request's: its mode's pooled rate): a replica that stopped drafting
+    # on bad luck measures no acceptance, and without this would never draft again.
+    revert: float = 0.01
     prior_rate: float = 0.6  # acceptance before any evidence, where no offline model says
     prior_weight: float = 4.0  # judged tokens that prior is worth
     # Prior step cost (ms) where no calibration is found: c0, c_pos, c_union, d0, d_row.
@@ -58,6 +62,8 @@ class PlannerConfig:
             raise ValueError(f"explore {self.explore}: between 0 and 1")
         if not 0.5 <= self.forget <= 1.0 or not 0.5 <= self.decay <= 1.0:
             raise ValueError("forget and decay: between 0.5 and 1")
+        if not 0.0 <= self.revert <= 0.5:
+            raise ValueError(f"revert {self.revert}: between 0 and 0.5")
         if not 0.0 < self.prior_rate < 1.0 or self.prior_weight <= 0:
             raise ValueError("prior_rate in (0, 1), prior_weight > 0")
         if len(self.prior_cost) != 5 or self.prior_precision <= 0:
@@ -132,6 +138,19 @@ class StepPlanner:
             counts[0] = c.decay * counts[0] + accepted
             counts[1] = c.decay * counts[1] + trials
 
+    def fade_to_prior(self) -> None:
+        """One step's ``revert`` of every acceptance estimate toward its prior."""
+        r, w = self.config.revert, self.config.prior_weight
+        if r <= 0:
+            return
+        for mode, counts in self.pooled.items():
+            counts[0] += r * (self.mode_rates[mode] * w - counts[0])
+            counts[1] += r * (w - counts[1])
+        for request_id, counts in self.requests.items():
+            pooled = self.pooled[self._mode(request_id)]
+            counts[0] += r * (pooled[0] / pooled[1] * w - counts[0])
+            counts[1] += r * (w - counts[1])
+
     def forget_requests(self, alive: set[str]) -> None:
         for gone in set(self.requests) - alive:
             del self.requests[gone]
@@ -147,7 +166,10 @@ class StepPlanner:
         return experts - (experts - top_k) * r ** (positions - 1)
 
     def step_ms(self, positions: float, k: float, rows: float) -> float:
-        return float(features(positions, k, rows, self.union(positions)) @ self.theta)
+        # Every term costs time: a coefficient the fit drove below 0 (collinear terms, noise)
+        # is priced at 0.
+        x = features(positions, k, rows, self.union(positions))
+        return float(x @ np.maximum(self.theta, 0.0))
 
     def observe_step(
         self, positions: int, k: int, rows: int, ms: float, tokens: int | None = None
@@ -158,6 +180,7 @@ class StepPlanner:
             return
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
+        self.fade_to_prior()
         x = features(positions, k, rows, self.union(positions))
         lam = self.config.forget
         px = self.cov @ x
