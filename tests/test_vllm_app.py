@@ -23,10 +23,10 @@ from pydantic import ValidationError
 
 from pipeline.vllm_spec.config import ENV as PROPOSER_ENV
 from pipeline.vllm_spec.env import vllm_python
-from pipeline.vllm_spec.methods import PROPOSER_CLASS
+from pipeline.vllm_spec.methods import PROPOSER_CLASS, SCHEDULER_CLASS
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
-from vllm_serving.llm_configs import SCHEDULER_CLASS, llm_config_dicts
+from vllm_serving.llm_configs import llm_config_dicts
 from vllm_serving.run import engine_demand, shortfall
 from vllm_serving.settings import DEFAULT_K, VllmAppArgs
 
