@@ -120,7 +120,11 @@ class CatchUp:
         batch = cad.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch])
         starts, lens = step_rows(cad)
-        if num_speculative_tokens == 0 and not self._decided_by_runner:
+        # Under async scheduling the runner's committed tokens on the CPU may trail the step
+        # (vLLM keeps the last sampled ones on the device), so the catch-up could not read
+        # them: there the drafter runs every step as vLLM does.
+        skippable = not getattr(self.runner, "use_async_scheduling", False)
+        if num_speculative_tokens == 0 and skippable and not self._decided_by_runner:
             if self.skip_step(req_ids, starts, lens, target_hidden_states):
                 return torch.empty(batch, 0, dtype=torch.int64, device=target_token_ids.device)
         elif num_speculative_tokens > 0:
