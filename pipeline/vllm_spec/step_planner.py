@@ -95,7 +95,12 @@ class StepPlanner:
         use = c.offline_priors
         calibrated = use and priors.cost is not None
         self.theta = np.array(priors.cost if calibrated else c.prior_cost, dtype=float)
-        self.cov = np.eye(5) / (25.0 if calibrated else c.prior_precision)  # RLS inverse info
+        # RLS inverse information. The union and per-row draft terms are collinear with the
+        # position and per-round terms over the steps one replica sees (U(P) is nearly linear
+        # in P over a few positions; k and k B are one column at one row), so the data would
+        # trade them off against each other: they keep their prior 100x more firmly.
+        base = 25.0 if calibrated else c.prior_precision
+        self.cov = np.diag(1.0 / (base * np.array([1.0, 1.0, 100.0, 1.0, 100.0])))
         self.union_model = priors.union if use else None
         self.mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
@@ -166,10 +171,9 @@ class StepPlanner:
         return experts - (experts - top_k) * r ** (positions - 1)
 
     def step_ms(self, positions: float, k: float, rows: float) -> float:
-        # Every term costs time: a coefficient the fit drove below 0 (collinear terms, noise)
-        # is priced at 0.
-        x = features(positions, k, rows, self.union(positions))
-        return float(x @ np.maximum(self.theta, 0.0))
+        # The sum, not each term: terms collinear over the steps seen (P = 1 + k at one row)
+        # trade off in the fit, and only their sum is measured.
+        return float(features(positions, k, rows, self.union(positions)) @ self.theta)
 
     def observe_step(
         self, positions: int, k: int, rows: int, ms: float, tokens: int | None = None
