@@ -15,8 +15,9 @@ engine does three things at every step that a step drafting nothing does not nee
   (``EngineCore.post_step``: ``take_draft_token_ids``, a round trip to the worker process in
   a multiprocess engine): after a step that drafted none it no longer asks (the scheduler has
   already cleared every request's draft tokens when it scheduled them).
-Measured on this CPU: the two together are most of what a speculating engine at k = 0 cost
-over ``none`` once the draft forward was gone (docs/vllm_plugin.md).
+Measured on this CPU in-process (no worker round trip there): the first two were most of what
+a speculating engine at k = 0 cost over ``none`` once the draft forward was gone
+(docs/vllm_plugin.md).
 """
 
 from __future__ import annotations
