@@ -1,8 +1,9 @@
 """vLLM's speculative decoding against our engine on the embedded models: per (domain,
 temperature, concurrency) cell, output tokens/s of vLLM without speculation, with its draft
-model at each fixed K, n-gram, suffix decoding, a per-batch-size K schedule and our cost-aware
-proposer (a vLLM custom_class), and of our own engine (ar, the best fixed K, throughput) on the
-same token prompts, over interleaved repeats (median, min-max).
+model or EAGLE-3 head at each fixed K, n-gram, suffix decoding, a per-batch-size K schedule and
+our cost-aware scheduler over vLLM's drafters, and of our own engine (ar, the best fixed K,
+throughput) on the same token prompts, over interleaved repeats (median, min-max; ratios
+paired within repeats).
 
 vLLM runs in its own environment (`make vllm-env`; SPECBOUND_VLLM_PYTHON to use another):
 
@@ -33,7 +34,8 @@ Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expand
 With the project's vLLM plugin (make vllm-env installs it) a step that drafts 0 runs no draft
 forward, and sampled speculation on vLLM's CPU build gets the target's real probabilities
 (pipeline.vllm_spec.plugin). Per cell: output tok/s, vLLM's accepted length, and the
-drafter's counters (steps, skipped, caught-up tokens).
+drafter's counters (steps, skipped, caught-up tokens); per run of ours, the scheduler's state
+at its end (k chosen, pooled acceptance, step-cost coefficients).
 
 Results: tables.txt, summary.json, raw.json (every output token) and vllm.log under --out,
 and an MLflow run (experiment bench_vllm).

@@ -84,7 +84,7 @@ def test_bench_vllm_smoke(tmp_path):
     for text in (
         "code  T=0  c=1",
         "code  T=0  c=2",
-        "best draft_model K: draft_model:k=2",
+        "best fixed K of vLLM: draft_model:k=2",
         "engine throughput",
         "pooled over domains at c=1, T=0",
         "T=0 texts",
@@ -120,6 +120,10 @@ def test_bench_vllm_smoke(tmp_path):
     raw = json.loads((out / "raw.json").read_text())
     vllm_runs = [r for r in raw["runs"] if not r["method"].startswith("engine")]
     assert [r["method"] for r in vllm_runs] == ["none", "draft_model:k=2", "ours:k=2"]
+    # The scheduler's state at shutdown, from its engine process, is kept with its run.
+    (ours_run,) = [r for r in vllm_runs if r["method"] == "ours:k=2"]
+    assert ours_run["planner"][0].startswith("cost-aware scheduler at shutdown: steps ")
+    assert "k chosen" in ours_run["planner"][0] and "planner" not in vllm_runs[0]
     for run in raw["runs"]:
         assert all(len(o) == 8 for c in run["cells"] for o in c["outputs"])  # ignore_eos
         assert [len(c["outputs"]) for c in run["cells"]] == [2, 2]  # max(limit, c) prompts

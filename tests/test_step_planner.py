@@ -148,6 +148,25 @@ def test_offline_priors_are_the_pairs_acceptance_model_and_calibration(tmp_path)
     assert load_priors(tmp_path / "nothing") == Priors()
     planner = StepPlanner(4, PlannerConfig(), priors)
     assert planner.theta[0] == cost["b0"] and planner.rate("new") == priors.rates["greedy"]
+    assert priors.draft_cost_measured
+
+
+def test_a_drafter_no_calibration_measured_takes_its_targets_terms_only() -> None:
+    """The EAGLE-3 head: its own acceptance model, the target's step terms from the draft
+    model's calibration of the same target, its draft terms a guess the steps outweigh."""
+    target = str(ROOT / "models" / "target")
+    head = load_priors(ROOT / "models" / "eagle3-head", "cpu", target)
+    own = json.loads((ROOT / "models" / "eagle3-head" / "acceptance.json").read_text())
+    assert head.rates["greedy"] == own["modes"]["greedy"]["prior"]
+    cost = json.loads((ROOT / "models" / "vllm_costmodel.json").read_text())["cost"]
+    assert head.cost[:3] == (cost["b0"], cost["b_pos"], cost["b_union"])
+    assert head.union is not None and not head.draft_cost_measured
+    assert load_priors(ROOT / "models" / "eagle3-head", "cpu").cost is None  # no target named
+    assert load_priors(ROOT / "models" / "eagle3-head", "cpu", "other-target").cost is None
+    firm = StepPlanner(4, PlannerConfig(), load_priors(ROOT / "models" / "draft", "cpu"))
+    loose = StepPlanner(4, PlannerConfig(), head)
+    assert np.allclose(np.diag(loose.cov)[:3], np.diag(firm.cov)[:3])
+    assert np.all(np.diag(loose.cov)[3:] > 20 * np.diag(firm.cov)[3:])
 
 
 def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
@@ -185,3 +204,24 @@ def test_acceptance_fades_back_to_the_prior_while_nothing_is_drafted() -> None:
     assert StepPlanner(4, PlannerConfig(revert=0.0)).config.revert == 0.0
     with pytest.raises(ValueError, match="revert"):
         PlannerConfig(revert=0.9)
+
+
+def test_one_slow_step_cannot_stop_drafting_and_idle_steps_bring_it_back() -> None:
+    """A first forward at a new shape can take 100x a step; it moves the fit by at most half
+    a prediction plus 1 ms. A replica that stopped drafting on a bad estimate of the draft
+    terms (which k = 0 steps cannot measure) drafts again once they fade to the prior."""
+    target = str(ROOT / "models" / "target")
+    planner = StepPlanner(
+        6, PlannerConfig(), load_priors(ROOT / "models" / "eagle3-head", "cpu", target)
+    )
+    rows = ["a"]
+    before = planner.step_ms(7, 6, 1)
+    assert planner.choose(rows) > 0
+    planner.observe_step(7, 6, 1, 500.0)  # the head's first forward
+    assert planner.step_ms(7, 6, 1) <= before + 0.5 * before + 1.0 + 1e-9
+    assert planner.choose(rows) > 0
+    planner.theta[3] = 50.0  # a draft round believed to cost 50 ms: never worth it
+    assert planner.choose(rows) == 0
+    for _ in range(300):
+        planner.observe_step(1, 0, 1, planner.step_ms(1, 0, 1))  # idle steps, as priced
+    assert planner.choose(rows) > 0

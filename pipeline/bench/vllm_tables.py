@@ -1,9 +1,12 @@
 """The vLLM benchmark's tables (pipeline.bench.vllm): per (domain, T, c) cell every method's
 output tokens/s (median over repeats and its min-max), its ratio to vLLM without speculation,
 to the best fixed-K draft model of that cell and to the floor ours must not lose to
-(max(none, the best fixed K of the same drafter)), TPOT, mean accepted length, the share of
-steps the plugin's drafter skipped, and the proposer's share of each engine step; the pooled
-c = 1, T = 0 figure; T = 0 texts against vLLM's own greedy text and our engine's `ar`."""
+(max(none, the best fixed K of the same drafter)); the ratios to none and to the floor are
+paired: the median over repeats of the ratio within each repeat (the methods of one repeat run
+back to back, so a host whose speed drifts slows both sides of a ratio alike), TPOT, mean
+accepted length, the share of steps the plugin's drafter skipped, and the proposer's share of
+each engine step; the pooled c = 1, T = 0 figure; T = 0 texts against vLLM's own greedy text
+and our engine's `ar`."""
 
 from __future__ import annotations
 
@@ -83,10 +86,15 @@ def summarize(runs: list[dict]) -> dict:
         best = _best(rows, is_fixed_draft)
         best_engine = _best(rows, lambda m: m.startswith("engine fixed"))
         for label, row in rows.items():
-            row["vs_none"] = row["tok_s"] / base if base else None
+            row["vs_none"] = _paired(row, [rows[BASE]]) if base else None
             row["vs_best_draft"] = row["tok_s"] / rows[best]["tok_s"] if best else None
             floor = _floor(rows, label)
-            row["vs_floor"] = row["tok_s"] / floor if floor else None
+            if floor:
+                ratios = _ratios(row, floor)
+                row["vs_floor"] = statistics.median(ratios)
+                row["vs_floor_min"], row["vs_floor_max"] = min(ratios), max(ratios)
+            else:
+                row["vs_floor"] = None
         cells.append(
             {
                 "domain": key[0],
@@ -115,16 +123,31 @@ def _skipped(results: list[dict]) -> float | None:
 FLOOR_PEERS = {"ours:": "draft_model:", "ours-eagle3:": "eagle3:"}
 
 
-def _floor(rows: dict, label: str) -> float | None:
+def _floor(rows: dict, label: str) -> list[dict] | None:
+    """The rows of ours' floor: none and the best (by median) fixed K of its drafter."""
     prefix = next((p for p in FLOOR_PEERS if label.startswith(p)), None)
     if prefix is None:
         return None
     peers = [
-        r["tok_s"]
+        r
         for m, r in rows.items()
         if r["tok_s"] and (m == BASE or (m.startswith(FLOOR_PEERS[prefix]) and "schedule" not in m))
     ]
-    return max(peers) if peers else None
+    if not peers:
+        return None
+    best_k = [r for r in peers if r is not rows.get(BASE)]
+    best = [max(best_k, key=lambda r: r["tok_s"])] if best_k else []
+    return [r for r in peers if r is rows.get(BASE)] + best
+
+
+def _ratios(row: dict, peers: list[dict]) -> list[float]:
+    """Per repeat: the row's tok/s over the best of ``peers`` in that same repeat."""
+    n = min(len(row["per_repeat"]), *(len(p["per_repeat"]) for p in peers))
+    return [row["per_repeat"][i] / max(p["per_repeat"][i] for p in peers) for i in range(n)]
+
+
+def _paired(row: dict, peers: list[dict]) -> float:
+    return statistics.median(_ratios(row, peers))
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -138,7 +161,7 @@ def _best(rows: dict, which) -> str | None:
 
 def pooled(runs: list[dict], concurrency: int = 1, temperature: float = 0.0) -> dict:
     """Per method, over every domain at (c, T): sum of tokens / sum of wall time in each
-    repeat, the median and range over repeats."""
+    repeat, the median and range over repeats; vs_none paired within repeats."""
     per: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     for run in runs:
         for cell in run.get("cells") or []:
@@ -146,13 +169,14 @@ def pooled(runs: list[dict], concurrency: int = 1, temperature: float = 0.0) -> 
                 acc = per[run["method"]][run["repeat"]]
                 acc[0] += cell["tokens"]
                 acc[1] += cell["wall_s"]
+    rate = {m: {r: t / s for r, (t, s) in reps.items() if s > 0} for m, reps in per.items()}
     out = {}
-    for label, reps in per.items():
-        rates = [t / s for t, s in reps.values() if s > 0]
+    for label, reps in rate.items():
+        rates = list(reps.values())
         out[label] = {"tok_s": _med(rates), "min": min(rates), "max": max(rates)}
-    base = out.get(BASE, {}).get("tok_s")
-    for row in out.values():
-        row["vs_none"] = row["tok_s"] / base if base else None
+        # paired, as in the cells: the ratio within each repeat, its median
+        both = [reps[r] / rate[BASE][r] for r in reps if r in rate.get(BASE, {})]
+        out[label]["vs_none"] = _med(both)
     return out
 
 
@@ -196,12 +220,13 @@ def format_tables(summary: dict, header: str) -> str:
     lines = [header, ""]
     head = (
         f"  {'method':<42}{'tok/s':>8} {'min-max':>13}{'x none':>8}{'x best K':>9}"
-        f"{'x floor':>8}{'TPOT ms':>9}{'acc len':>8}{'skip':>6}{'prop ms':>8}{'share':>7}"
+        f"{'x floor':>8}{'min-max':>12}{'TPOT ms':>9}{'acc len':>8}{'skip':>6}"
+        f"{'prop ms':>8}{'share':>7}"
     )
     for cell in summary["cells"]:
         lines += [
             f"{cell['domain']}  T={cell['temperature']:g}  c={cell['concurrency']}  "
-            f"(best draft_model K: {cell['best_draft'] or '-'}; best engine fixed K: "
+            f"(best fixed K of vLLM: {cell['best_draft'] or '-'}; best engine fixed K: "
             f"{cell['best_engine_fixed'] or '-'})",
             head,
         ]
@@ -211,12 +236,20 @@ def format_tables(summary: dict, header: str) -> str:
                 f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"
                 f"{_f(r['vs_none'], '.3f'):>8}{_f(r['vs_best_draft'], '.3f'):>9}"
                 f"{_f(r.get('vs_floor'), '.3f'):>8}"
-                f"{_f(r['tpot_ms'], '.2f'):>9}{_f(r['accepted_len'], '.2f'):>8}"
+                + (
+                    f"{r['vs_floor_min']:>6.2f}-{r['vs_floor_max']:<5.2f}"
+                    if r.get("vs_floor") is not None
+                    else f"{'':>12}"
+                )
+                + f"{_f(r['tpot_ms'], '.2f'):>9}{_f(r['accepted_len'], '.2f'):>8}"
                 f"{_f(r.get('skipped'), '.0%'):>6}"
                 f"{_f(p.get('propose_ms'), '.2f'):>8}{_f(p.get('propose_share'), '.1%'):>7}"
             )
         lines.append("")
-    lines.append("pooled over domains at c=1, T=0 (sum tokens / sum time, median over repeats)")
+    lines.append(
+        "pooled over domains at c=1, T=0 (sum tokens / sum time, median over repeats; "
+        "x none paired within repeats)"
+    )
     for label, r in summary["pooled"].items():
         lines.append(
             f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"

@@ -24,6 +24,7 @@ SPEC_COUNTERS = {
 }
 STATS_ENV = "SPECBOUND_PROPOSER_STATS"
 DRAFTER_STATS_ENV = "SPECBOUND_DRAFTER_STATS"  # pipeline.vllm_spec.stats's
+PLANNER_LOG_ENV = "SPECBOUND_PLANNER_LOG"  # pipeline.vllm_spec.scheduler's report lines
 
 
 @contextmanager

@@ -5,7 +5,10 @@ costs with the expected union of experts (``vllm_costmodel.json``: jobs.calibrat
 Both are looked up beside the draft (or EAGLE-3 head), then in its parent folder when the
 artifact there names this draft (the embedded ``models/draft`` keeps its artifacts in
 ``models/``). A step-cost model measured on another kind of device is not used as a prior
-(its numbers are another machine's); online refinement starts from the weak default then.
+(its numbers are another machine's); online refinement starts from the weak default then. A
+drafter no calibration measured (an EAGLE-3 head beside a draft model's calibration) takes the
+target's terms and ``U(P)`` from a calibration of the same target in the same folders, and its
+draft terms only as a weak guess (``draft_cost_measured`` False), learned online.
 Reads JSON only: it runs in vLLM's engine process.
 """
 
@@ -30,9 +33,20 @@ class Priors:
     cost: tuple[float, float, float, float, float] | None = None  # c0, c_pos, c_union, d0, d_row
     union: tuple[int, int, float] | None = None  # E, top_k, r of U(P) = E - (E - k) r^(P-1)
     sources: tuple[str, ...] = ()
+    draft_cost_measured: bool = True  # d0, d_row measured for this drafter (not another's)
 
 
-def _find(draft: Path, name: str) -> tuple[Path, dict[str, Any]] | None:
+def _named(body: dict[str, Any], role: str) -> str:
+    pair = body.get("meta", {}).get("pair") or body.get("provenance") or {}
+    return Path(str(pair.get(role, ""))).name
+
+
+def _find(
+    draft: Path, name: str, target: str | None = None
+) -> tuple[Path, dict[str, Any], bool] | None:
+    """(path, body, whether it was measured for this draft). With ``target``, failing one for
+    this draft, one in the same folders that names that target (another drafter's)."""
+    other = None
     for folder in (draft, draft.parent):
         path = folder / name
         if not path.is_file():
@@ -41,39 +55,39 @@ def _find(draft: Path, name: str) -> tuple[Path, dict[str, Any]] | None:
             body = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if folder == draft:
-            return path, body
-        pair = body.get("meta", {}).get("pair") or body.get("provenance") or {}
-        named = Path(str(pair.get("draft_model", ""))).name
-        if named == draft.name:
-            return path, body
-    return None
+        if folder == draft or _named(body, "draft_model") == draft.name:
+            return path, body, True
+        if target and other is None and _named(body, "target_model") == Path(target).name:
+            other = (path, body, False)
+    return other
 
 
-def load_priors(draft: str | Path | None, device: str = "cpu") -> Priors:
-    """The pair's priors (empty where an artifact is missing or does not fit)."""
+def load_priors(draft: str | Path | None, device: str = "cpu", target: str | None = None) -> Priors:
+    """The pair's priors (empty where an artifact is missing or does not fit); ``target``: the
+    engine's model, for a calibration of that target made with another drafter."""
     if not draft:
         return Priors()
     draft = Path(draft)
     rates: dict[str, float] = {}
     cost = union = None
+    measured_draft = True
     sources: list[str] = []
     found = _find(draft, "acceptance.json")
     if found is not None:
-        path, body = found
+        path, body, _ = found
         for mode in MODES:
             prior = body.get("modes", {}).get(mode, {}).get("prior")
             if isinstance(prior, int | float) and 0.0 < prior < 1.0:
                 rates[mode] = float(prior)
         if rates:
             sources.append(str(path))
-    found = _find(draft, "vllm_costmodel.json")
+    found = _find(draft, "vllm_costmodel.json", target)
     if found is not None:
-        path, body = found
+        path, body, measured_draft = found
         measured = body.get("provenance", {}).get("device", "")
         c = body.get("cost", {})
         if measured.split(":")[0] == device.split(":")[0] and "b0" in c:
             cost = (c["b0"], c["b_pos"], c["b_union"], c["d0"], c["d_tok"])
             union = (int(c["experts"]), int(c["top_k"]), float(c["union_decay"]))
             sources.append(str(path))
-    return Priors(rates, cost, union, tuple(sources))
+    return Priors(rates, cost, union, tuple(sources), measured_draft or cost is None)

@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.vllm_spec.cells import DRAFTER_STATS_ENV, STATS_ENV, run_method
+from pipeline.vllm_spec.cells import DRAFTER_STATS_ENV, PLANNER_LOG_ENV, STATS_ENV, run_method
 
 
 def _write(path: Path, results: dict) -> None:
@@ -66,6 +66,10 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
                 drafter = out.with_name(f"{out.stem}.{slug}.r{rep}.drafter")
                 drafter.unlink(missing_ok=True)
                 env[DRAFTER_STATS_ENV] = str(drafter.resolve())
+            if "scheduler_cls" in (method.get("engine_kwargs") or {}):
+                planner = out.with_name(f"{out.stem}.{slug}.r{rep}.planner")
+                planner.unlink(missing_ok=True)
+                env[PLANNER_LOG_ENV] = str(planner.resolve())
             if method.get("proposer_stats"):
                 stats = out.with_name(f"{out.stem}.{slug}.r{rep}.stats")
                 stats.unlink(missing_ok=True)
@@ -89,6 +93,10 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
                 traceback.print_exc()
                 progress(f"repeat {rep + 1}/{repeats}  {name}: FAILED {run['error'][:300]}")
             run["total_s"] = time.perf_counter() - t0
+            if PLANNER_LOG_ENV in env and Path(env[PLANNER_LOG_ENV]).exists():
+                run["planner"] = Path(env[PLANNER_LOG_ENV]).read_text().splitlines()[-1:]
+                for line in run["planner"]:
+                    progress(f"    {line}")
             results["runs"].append(run)
             _write(out, results)
             progress(f"repeat {rep + 1}/{repeats}  {name}: done in {run['total_s']:.0f} s")

@@ -26,6 +26,7 @@ PlannerConfig's fields), read at start.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -35,7 +36,13 @@ from pipeline.vllm_spec.priors import load_priors, mode_of
 from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner
 
 PRUNE_EVERY = 64  # steps between forgetting finished requests' acceptance
-log = logging.getLogger(__name__)
+REPORT_EVERY = 4096  # steps between log lines of the planner's state (and one at shutdown)
+# A file the planner's report lines are also appended to (the benchmark keeps one per run, as
+# vLLM's log level there hides INFO).
+REPORT_ENV = "SPECBOUND_PLANNER_LOG"
+# A child of vLLM's logger: its handler and level apply (a logger of our own prints nothing
+# from the engine process).
+log = logging.getLogger("vllm.specbound.scheduler")
 
 
 class CostAwareScheduler(Scheduler):
@@ -45,7 +52,8 @@ class CostAwareScheduler(Scheduler):
         spec = self.vllm_config.speculative_config
         draft = getattr(spec, "model", None) if spec is not None else None
         device = str(getattr(self.vllm_config.device_config, "device_type", "cpu") or "cpu")
-        priors = load_priors(draft, device) if config.offline_priors else load_priors(None)
+        target = getattr(self.vllm_config.model_config, "model", None)
+        priors = load_priors(draft, device, target) if config.offline_priors else load_priors(None)
         log.info("cost-aware scheduler: priors from %s", ", ".join(priors.sources) or "defaults")
         self.planner = StepPlanner(self.num_spec_tokens, config, priors)
         if self.num_spec_tokens > 0:
@@ -99,4 +107,21 @@ class CostAwareScheduler(Scheduler):
             self.planner.observe_chain(req_id, valid, len(sampled[i]) - 1)
         if self.planner.steps % PRUNE_EVERY == 0:
             self.planner.forget_requests(set(self.requests))
+        if self.planner.steps % REPORT_EVERY == 0 and self.planner.steps:
+            self._report("")
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def shutdown(self) -> None:
+        self._report(" at shutdown")
+        super().shutdown()
+
+    def _report(self, when: str) -> None:
+        line = f"cost-aware scheduler{when}: {self.planner.report()}"
+        log.info(line)
+        path = os.environ.get(REPORT_ENV)
+        if path:
+            try:
+                with open(path, "a") as out:
+                    out.write(line + "\n")
+            except OSError as exc:  # a report is never worth a failed step
+                log.warning("cost-aware scheduler: cannot write %s: %s", path, exc)

@@ -14,8 +14,10 @@ is tested without vLLM).
   union of experts per MoE layer those positions load (the calibration's
   ``E - (E - k) r^(P - 1)``; 0 without one), B rows, k draft rounds; fitted by recursive least
   squares with forgetting over the steps the engine times, from the calibration's costs as the
-  prior. With the plugin's drafter a step at k = 0 runs no draft forward, so idle steps measure
-  the target's terms and no step needs drafting at random (``explore``, default 0).
+  prior; one step's residual is clipped (a slow first forward cannot poison the fit), and the
+  draft terms fade back to the prior over a stretch of steps that draft nothing. With the
+  plugin's drafter a step at k = 0 runs no draft forward, so idle steps measure the target's
+  terms and no step needs drafting at random (``explore``, default 0).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
 steady state where every step drafts k for every row. ``keep(row, n)`` is the marginal rule
@@ -34,6 +36,7 @@ from pipeline.vllm_spec.priors import MODES, Priors
 
 ENV = "SPECBOUND_SCHEDULER"
 DEFAULT_COST = (7.0, 0.1, 0.0, 1.0, 0.05)  # c0, c_pos, c_union, d0, d_row (ms)
+IDLE_STEPS = 32  # steps in a row without drafting before the draft terms fade to the prior
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,18 @@ class StepPlanner:
         use = c.offline_priors
         calibrated = use and priors.cost is not None
         self.theta = np.array(priors.cost if calibrated else c.prior_cost, dtype=float)
+        self.prior_theta = self.theta.copy()
+        self.idle = 0  # steps in a row that drafted nothing
         # RLS inverse information. The union and per-row draft terms are collinear with the
         # position and per-round terms over the steps one replica sees (U(P) is nearly linear
         # in P over a few positions; k and k B are one column at one row), so the data would
         # trade them off against each other: they keep their prior 100x more firmly.
         base = 25.0 if calibrated else c.prior_precision
-        self.cov = np.diag(1.0 / (base * np.array([1.0, 1.0, 100.0, 1.0, 100.0])))
+        weight = np.array([base, base, 100.0 * base, base, 100.0 * base])
+        if calibrated and not priors.draft_cost_measured:  # another drafter's: a guess,
+            # with d_row still 100x firmer than d0 (at one row only their sum is measured)
+            weight[3:] = c.prior_precision * np.array([1.0, 100.0])
+        self.cov = np.diag(1.0 / weight)
         self.union_model = priors.union if use else None
         self.mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
@@ -185,11 +194,22 @@ class StepPlanner:
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
         self.fade_to_prior()
+        self.idle = self.idle + 1 if k == 0 else 0
+        if self.idle > IDLE_STEPS:
+            # The draft terms go unmeasured while nothing is drafted: after a stretch of idle
+            # steps they fade back to the prior, as acceptance does, so one bad estimate
+            # cannot stop drafting for good (in a mix of k the data keeps them).
+            r = self.config.revert
+            self.theta[3:] += r * (self.prior_theta[3:] - self.theta[3:])
         x = features(positions, k, rows, self.union(positions))
         lam = self.config.forget
         px = self.cov @ x
         gain = px / (lam + x @ px)
-        self.theta = self.theta + gain * (ms - x @ self.theta)
+        # Robust to the odd slow step (a first forward at a new shape, the host stalling):
+        # one step moves the fit by at most half its prediction plus a millisecond.
+        predicted = float(x @ self.theta)
+        bound = 0.5 * abs(predicted) + 1.0
+        self.theta = self.theta + gain * float(np.clip(ms - predicted, -bound, bound))
         self.cov = (self.cov - np.outer(gain, px)) / lam
         self.steps += 1
 
@@ -209,6 +229,18 @@ class StepPlanner:
             kept += 1
         self.trimmed += drafted - kept
         return kept
+
+    def report(self) -> str:
+        """One line of the planner's state: what it chose, believes and measured."""
+        rates = ", ".join(f"{m} {a / t:.3f}" for m, (a, t) in self.pooled.items() if t > 0)
+        chosen = " ".join(f"{k}:{n}" for k, n in enumerate(self.chosen) if n)
+        theta = ", ".join(f"{v:.3f}" for v in self.theta)
+        return (
+            f"steps {self.steps}; k chosen {chosen or '-'}; pooled acceptance {rates}; "
+            f"step ms = [c0, c_pos, c_union, d0, d_row] . [1, P, U(P), k, kB] with "
+            f"[{theta}]; {self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
+            "left unverified"
+        )
 
     # -- the choice ---------------------------------------------------------------------
 

@@ -1,0 +1,37 @@
+"""The vLLM benchmark's ratios are paired within repeats: a host whose speed drifts between
+repeats slows both sides of a ratio alike, so the median of per-repeat ratios, not the ratio
+of medians, is what a method buys."""
+
+import pytest
+
+from pipeline.bench.vllm_tables import summarize
+
+
+def _run(method: str, repeat: int, tok_s: float) -> dict:
+    cell = {"domain": "code", "temperature": 0.0, "concurrency": 1, "tok_s": tok_s}
+    return {
+        "method": method,
+        "repeat": repeat,
+        "cells": [cell | {"tokens": tok_s, "wall_s": 1.0, "outputs": [[1]]}],
+    }
+
+
+def test_ratios_to_none_and_floor_are_paired_within_repeats():
+    # repeat 1 ran on a host twice as fast: every method doubled
+    rates = {
+        "none": [100, 200, 100],
+        "draft_model:k=2": [90, 240, 120],
+        "ours:k=2": [110, 210, 90],
+    }
+    runs = [_run(m, r, v) for m, vs in rates.items() for r, v in enumerate(vs)]
+    summary = summarize(runs)
+    rows = summary["cells"][0]["methods"]
+    ours = rows["ours:k=2"]
+    assert ours["tok_s"] == 110  # the median rate, unpaired
+    assert ours["vs_none"] == pytest.approx(1.05)  # median of 1.1, 1.05, 0.9 (not 110/100)
+    # floor: max(none, the best fixed K by median = draft_model:k=2) within each repeat:
+    # 110/100, 210/240, 90/120: median 0.875 (the ratio of medians would say 110/120)
+    assert ours["vs_floor"] == pytest.approx(0.875)
+    assert (ours["vs_floor_min"], ours["vs_floor_max"]) == pytest.approx((0.75, 1.1))
+    assert rows["draft_model:k=2"]["vs_floor"] is None  # only ours has a floor
+    assert summary["pooled"]["ours:k=2"]["vs_none"] == pytest.approx(1.05)
