@@ -35,3 +35,11 @@ def test_ratios_to_none_and_floor_are_paired_within_repeats():
     assert (ours["vs_floor_min"], ours["vs_floor_max"]) == pytest.approx((0.75, 1.1))
     assert rows["draft_model:k=2"]["vs_floor"] is None  # only ours has a floor
     assert summary["pooled"]["ours:k=2"]["vs_none"] == pytest.approx(1.05)
+
+
+def test_a_repeat_where_a_peer_failed_is_left_out_not_misaligned():
+    rates = {"none": [100, 200, 100], "ours:k=2": [110, 210, 90]}
+    runs = [_run(m, r, v) for m, vs in rates.items() for r, v in enumerate(vs)]
+    runs = [r for r in runs if (r["method"], r["repeat"]) != ("none", 1)]  # failed there
+    ours = summarize(runs)["cells"][0]["methods"]["ours:k=2"]
+    assert ours["vs_none"] == pytest.approx(1.0)  # median of 1.1 and 0.9: repeats 0 and 2

@@ -27,7 +27,7 @@ def _by_cell(runs: list[dict]) -> dict[tuple, dict[str, list[dict]]]:
     for run in sorted(runs, key=lambda r: r["repeat"]):
         for cell in run.get("cells") or []:
             if cell is not None:
-                out[_key(cell)][run["method"]].append(cell)
+                out[_key(cell)][run["method"]].append(cell | {"repeat": run["repeat"]})
     return out
 
 
@@ -76,6 +76,7 @@ def summarize(runs: list[dict]) -> dict:
                 "min": min(tok_s),
                 "max": max(tok_s),
                 "per_repeat": tok_s,
+                "repeats": [r["repeat"] for r in results],
                 "tpot_ms": _ms(_med([r.get("tpot_s") for r in results])),
                 "ttft_ms": _ms(_med([r.get("ttft_s") for r in results])),
                 "accepted_len": _med([r.get("mean_accepted_len") for r in results]),
@@ -141,9 +142,11 @@ def _floor(rows: dict, label: str) -> list[dict] | None:
 
 
 def _ratios(row: dict, peers: list[dict]) -> list[float]:
-    """Per repeat: the row's tok/s over the best of ``peers`` in that same repeat."""
-    n = min(len(row["per_repeat"]), *(len(p["per_repeat"]) for p in peers))
-    return [row["per_repeat"][i] / max(p["per_repeat"][i] for p in peers) for i in range(n)]
+    """Per repeat: the row's tok/s over the best of ``peers`` in that same repeat (repeats
+    where one of them has no result, a failed run, are left out)."""
+    rates = [dict(zip(r["repeats"], r["per_repeat"], strict=True)) for r in (row, *peers)]
+    common = sorted(set(rates[0]).intersection(*rates[1:]))
+    return [rates[0][i] / max(p[i] for p in rates[1:]) for i in common]
 
 
 def _paired(row: dict, peers: list[dict]) -> float:
