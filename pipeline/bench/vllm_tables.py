@@ -129,16 +129,14 @@ def _floor(rows: dict, label: str) -> list[dict] | None:
     prefix = next((p for p in FLOOR_PEERS if label.startswith(p)), None)
     if prefix is None:
         return None
-    peers = [
+    base = [rows[BASE]] if rows.get(BASE, {}).get("tok_s") else []
+    fixed = [
         r
         for m, r in rows.items()
-        if r["tok_s"] and (m == BASE or (m.startswith(FLOOR_PEERS[prefix]) and "schedule" not in m))
+        if r["tok_s"] and m.startswith(FLOOR_PEERS[prefix]) and "schedule" not in m
     ]
-    if not peers:
-        return None
-    best_k = [r for r in peers if r is not rows.get(BASE)]
-    best = [max(best_k, key=lambda r: r["tok_s"])] if best_k else []
-    return [r for r in peers if r is rows.get(BASE)] + best
+    peers = base + ([max(fixed, key=lambda r: r["tok_s"])] if fixed else [])
+    return peers or None
 
 
 def _ratios(row: dict, peers: list[dict]) -> list[float]:
