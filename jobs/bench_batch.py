@@ -22,9 +22,16 @@ import json
 from pathlib import Path
 
 from jobs.cli import (
-    SOURCE_HELP,
+    add_batch_sizes_arg,
+    add_limit_arg,
+    add_max_new_tokens_arg,
     add_model_args,
-    parse_ks,
+    add_out_arg,
+    add_prompt_tokens_arg,
+    add_repeats_arg,
+    add_source_arg,
+    add_temperature_arg,
+    add_threads_arg,
     parse_policy_specs,
     parser,
     run,
@@ -45,35 +52,20 @@ DEFAULT_SPECS = "ar,fixed:k=2,fixed:k=3,fixed:k=4,fixed:k=5,throughput,batch"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_batch", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
-    p.add_argument("--limit", type=int, default=16, help="prompts (16)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
-    p.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="keep the last this many tokens of each prompt (256)",
-    )
-    p.add_argument(
-        "--batch-sizes",
-        type=parse_ks,
-        default=parse_ks("8"),
-        help="generations decoded at once (8)",
-    )
+    add_source_arg(p)
+    add_limit_arg(p, 16)
+    add_max_new_tokens_arg(p, 64)
+    add_prompt_tokens_arg(p)
+    add_batch_sizes_arg(p, "8")
     p.add_argument(
         "--policies",
         default=DEFAULT_SPECS,
         help=f"policies and knobs, name:knob=value,... (default: {DEFAULT_SPECS})",
     )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1, as a replica)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out/bench_batch"),
-        help="directory of cells.jsonl: each repeat of each cell (or a failure) as it is done",
-    )
+    add_temperature_arg(p)
+    add_repeats_arg(p, 3)
+    add_threads_arg(p, 1, "as a serving replica runs")
+    add_out_arg(p, Path("out/bench_batch"), "cells.jsonl, each repeat of each cell as it is done")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.threads < 1:
         p.error("--repeats, --limit, --max-new-tokens and --threads must be >= 1")

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 import argparse
 
-from jobs.cli import SOURCE_HELP, add_model_args, parser, run
+from jobs.cli import (
+    add_limit_arg,
+    add_lmax_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_seed_arg,
+    add_source_arg,
+    parser,
+    run,
+)
 from pipeline.bench.extract_batching import compare_batching, format_batching
 from pipeline.bench.tail_modes import compare_tail_modes, format_comparison
 from pipeline.data.domains import load_prompts
@@ -29,15 +38,11 @@ from pipeline.tracking import tracked_run
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_extract", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
-    p.add_argument("--limit", type=int, default=8, help="sequences (8)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")
-    p.add_argument("--lmax", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    add_source_arg(p)
+    add_limit_arg(p, 8, "each a reference sequence")
+    add_max_new_tokens_arg(p, 128, "the reference's length")
+    add_lmax_arg(p, 8)
+    add_seed_arg(p, "of the junk-tail sampling")
     p.add_argument(
         "--batch-size",
         type=int,

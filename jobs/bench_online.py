@@ -43,8 +43,15 @@ from functools import partial
 from pathlib import Path
 
 from jobs.cli import (
-    SOURCE_HELP,
+    add_limit_arg,
+    add_lmax_arg,
+    add_max_new_tokens_arg,
     add_model_args,
+    add_out_arg,
+    add_predictor_arg,
+    add_source_arg,
+    add_temperatures_arg,
+    add_threads_arg,
     parse_policy_specs,
     parser,
     run,
@@ -63,7 +70,6 @@ from pipeline.decode.policies.artifacts import (
     DEFAULT_ACCEPTANCE,
     DEFAULT_COSTMODEL,
     DEFAULT_POLICY,
-    DEFAULT_PREDICTOR,
     artifact_paths,
     load_artifacts,
 )
@@ -75,18 +81,14 @@ from pipeline.tracking import tracked_run
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_online", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
+    add_source_arg(p)
     p.add_argument(
         "--domains",
         default=None,
         help="comma-separated prompt domains (code, prose, math; 'all' for the three), each "
         "benched on its own with --limit prompts, then summarised per domain; replaces --source",
     )
-    p.add_argument("--limit", type=int, default=8)
+    add_limit_arg(p, 8, "per domain with --domains")
     p.add_argument(
         "--runs",
         type=int,
@@ -94,9 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="repeat the bench this many times, then summarise it pooled over the runs, "
         "with each run's own ratio over the best fixed K beside it (3: the spread)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperatures", default="0,1", help="comma-separated (0,1)")
-    p.add_argument("--predictor", type=Path, default=DEFAULT_PREDICTOR, help="expert predictor")
+    add_max_new_tokens_arg(p, 64)
+    add_temperatures_arg(p, "0,1")
+    add_predictor_arg(p)
     p.add_argument("--costmodel", type=Path, default=DEFAULT_COSTMODEL, help="costmodel.json")
     p.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="the oracle's policy.json")
     p.add_argument(
@@ -123,12 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-assisted", action="store_true", help="leave out transformers' assisted generation"
     )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads while decoding (1: what the committed cost models were "
-        "calibrated with and what a serving replica runs; 0: torch's default)",
+    add_threads_arg(
+        p, 1, "while decoding (1: as the committed cost models were calibrated; 0: torch's)"
     )
     p.add_argument(
         "--no-bound",
@@ -142,12 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="solve the bound only at these temperatures, e.g. 0 (at T > 0 every "
         "policy's text differs, so each needs its own solve); default: all",
     )
-    p.add_argument("--lmax", type=int, default=12, help="Lmax of the bound (12)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out/bench_online"),
-        help="directory of rows.jsonl: each row (or failed policy) written as it is scored",
+    add_lmax_arg(p, 12, "of the bound")
+    add_out_arg(
+        p, Path("out/bench_online"), "rows.jsonl, each row (or failed policy) as it is scored"
     )
     p.add_argument(
         "--quick",
@@ -177,17 +172,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(f"--policies: {exc}")
     try:
-        temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
         args.bound_at = (
             None
             if args.bound_at is None
             else [float(t) for t in args.bound_at.split(",") if t.strip()]
         )
     except ValueError:
-        p.error("--temperatures and --bound-at take comma-separated numbers")
-    if not temps or min(temps) < 0:
+        p.error("--bound-at takes comma-separated numbers")
+    if min(args.temperatures) < 0:
         p.error("--temperatures needs at least one value, none negative")
-    if args.bound_at is not None and (args.no_bound or not set(args.bound_at) <= set(temps)):
+    if args.bound_at is not None and (
+        args.no_bound or not set(args.bound_at) <= set(args.temperatures)
+    ):
         p.error("--bound-at: temperatures among --temperatures, and not with --no-bound")
     if args.threads < 0:
         p.error("--threads must be >= 0 (0: torch's default)")
@@ -239,7 +235,7 @@ def _bench_source(
         pair,
         artifacts,
         prompts,
-        [float(t) for t in args.temperatures.split(",")],
+        args.temperatures,
         args.max_new_tokens,
         args.lmax,
         quick=args.quick,
@@ -281,7 +277,8 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
         )
     drift = price_drift(bench.rows())
     if drift is not None:
-        print("\n" + "\n".join(drift.lines(args.target, args.draft, args.temperatures)))
+        temps = ",".join(f"{t:g}" for t in args.temperatures)  # as typed: 0,1
+        print("\n" + "\n".join(drift.lines(args.target, args.draft, temps)))
     params = {**vars(args), "policies": str(args.policies)}
     with tracked_run("bench_online", params=params) as mlrun:
         for run_index in range(args.runs):  # one step per run

@@ -10,7 +10,7 @@ setting, with visitation and cross-fitting.
 from __future__ import annotations
 
 from jobs.cli import parser, run
-from pipeline.oracle.bench import bench_oracle, format_oracle_bench
+from pipeline.bench.oracle import bench_oracle, format_oracle_bench
 from pipeline.tracking import tracked_run
 
 

@@ -18,24 +18,31 @@ from __future__ import annotations
 import argparse
 import json
 
-from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
+from jobs.cli import (
+    add_concurrency_arg,
+    add_limit_arg,
+    add_max_tokens_arg,
+    add_model_args,
+    add_num_cpus_arg,
+    add_source_arg,
+    add_temperature_arg,
+    parser,
+    ray_session,
+    run,
+)
+from pipeline.bench.serve import ServeBenchSettings, format_serve_bench, run_serve_bench
 from pipeline.data.domains import load_prompts
 from pipeline.tracking import tracked_run
-from serving.bench import ServeBenchSettings, format_serve_bench, run_serve_bench
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_serve", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
-    p.add_argument("--limit", type=int, default=16, help="number of prompts")
-    p.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent HTTP clients")
-    p.add_argument("--temperature", type=float, default=0.0)
+    add_source_arg(p)
+    add_limit_arg(p, 16)
+    add_max_tokens_arg(p, 32)
+    add_concurrency_arg(p, 8)
+    add_temperature_arg(p)
     p.add_argument(
         "--speculation",
         default='{"policy": "fixed", "k": 4}',
@@ -48,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="CPUs per replica; also the in-process torch threads on CPU",
     )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    add_num_cpus_arg(p)
     p.add_argument(
         "--max-batch",
         type=int,

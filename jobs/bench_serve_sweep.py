@@ -26,28 +26,29 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
+from jobs.cli import (
+    add_concurrency_arg,
+    add_limit_arg,
+    add_max_tokens_arg,
+    add_model_args,
+    add_num_cpus_arg,
+    add_out_arg,
+    add_source_arg,
+    add_temperature_arg,
+    parser,
+    ray_session,
+    run,
+)
+from pipeline.bench.serve_sweep import MODES, SweepSettings, run_sweep
+from pipeline.bench.serve_sweep_report import format_row, format_sweep, write_results
 from pipeline.data.domains import load_prompts
 from pipeline.decode.policies.registry import validate_knobs
 from pipeline.tracking import tracked_run
-from serving.sweep import MODES, SweepSettings, run_sweep
-from serving.sweep_report import format_row, format_sweep, write_results
 
 DEFAULT_POLICIES = '[{"policy": "throughput"}]'  # the endpoint's default
 DEFAULT_VLLM = "ours:k=4,draft_model:k=1..3,none"
 VLLM_METHODS = ("ours", "proposer", "draft_model", "ngram", "none")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4: {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,2,4: {text!r}")
-    return values
 
 
 def _policies(text: str) -> list[dict]:
@@ -74,13 +75,6 @@ def _modes(text: str) -> list[str]:
     if any(m not in MODES for m in modes) or len(set(modes)) < len(modes):
         raise argparse.ArgumentTypeError(f"expected distinct modes of {', '.join(MODES)}")
     return modes
-
-
-def _sources(text: str) -> list[str]:
-    sources = [s.strip() for s in text.split(",") if s.strip()]
-    if not sources or len(set(sources)) < len(sources):
-        raise argparse.ArgumentTypeError(f"expected distinct sources like a,b: {text!r}")
-    return sources
 
 
 def _vllm_models(text: str) -> list[dict]:
@@ -128,25 +122,10 @@ def _vllm_models(text: str) -> list[dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_serve_sweep", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        type=_sources,
-        default=["sharegpt", "humaneval"],
-        help=f"a comma list of sources, each {SOURCE_HELP} (default: sharegpt,humaneval)",
-    )
-    p.add_argument(
-        "--limit",
-        type=int,
-        default=32,
-        help="prompts, each posted once per cell (at least the most clients)",
-    )
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
-    p.add_argument(
-        "--concurrency",
-        type=_ints,
-        default=[1, 2, 4, 8, 16],
-        help="concurrent streaming clients, a comma list (default 1,2,4,8,16)",
-    )
+    add_source_arg(p, many="sharegpt,humaneval")
+    add_limit_arg(p, 32, "each posted once per cell (at least the most clients)")
+    add_max_tokens_arg(p, 64)
+    add_concurrency_arg(p, "1,2,4,8,16")
     p.add_argument(
         "--policies",
         type=_policies,
@@ -171,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-vllm", action="store_true", help="the endpoint only")
     p.add_argument("--max-batch", type=int, default=16, help="the batched mode's max_batch")
-    p.add_argument("--temperature", type=float, default=0.0)
+    add_temperature_arg(p)
     p.add_argument(
         "--timeout",
         type=float,
@@ -179,10 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds per request, at the client and as the server's deadline",
     )
     p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica")
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
-    p.add_argument(
-        "--out", type=Path, default=None, help="directory for sweep.csv, ratios.csv and sweep.json"
-    )
+    add_num_cpus_arg(p)
+    add_out_arg(p, None, "sweep.csv, ratios.csv and sweep.json (default: not written)")
     args = p.parse_args(argv)
     if args.no_vllm:
         args.vllm = []
@@ -190,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("nothing to measure: give --modes or --vllm")
     if min(args.limit, args.max_tokens, args.max_batch) < 1 or args.timeout <= 0:
         p.error("--limit, --max-tokens and --max-batch must be >= 1, --timeout > 0")
+    if min(args.concurrency) < 1:
+        p.error(f"--concurrency: integers >= 1 like 1,2,4, got {args.concurrency}")
     if args.limit < max(args.concurrency):
         p.error(
             f"--limit {args.limit} leaves clients idle at {max(args.concurrency)} clients: "

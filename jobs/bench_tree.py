@@ -25,8 +25,13 @@ import re
 from pathlib import Path
 
 from jobs.cli import (
-    SOURCE_HELP,
+    add_limit_arg,
+    add_max_new_tokens_arg,
     add_model_args,
+    add_out_arg,
+    add_repeats_arg,
+    add_source_arg,
+    add_threads_arg,
     parse_ks,
     parse_policy_specs,
     parser,
@@ -55,9 +60,9 @@ DEFAULT_POLICIES = "tree:depth=4:branch=2:gamma=9,tree:depth=3:branch=2:gamma=4,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.bench_tree", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
-    p.add_argument("--limit", type=int, default=16, help="prompts (16)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per text (128)")
+    add_source_arg(p)
+    add_limit_arg(p, 16)
+    add_max_new_tokens_arg(p, 128)
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICIES,
@@ -77,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="largest budgets K in draft nodes (1,2,3,4,6,8,12); the cost model "
         "must cover m = K + 1",
     )
-    p.add_argument("--repeats", type=int, default=3, help="interleaved decoding repeats (3)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1, as a replica)")
+    add_repeats_arg(p, 3, "interleaved decoding repeats")
+    add_threads_arg(p, 1, "as a serving replica runs")
     p.add_argument(
         "--artifacts",
         type=Path,
@@ -87,12 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="predictor/, costmodel.json and policy.json from DIR (default: the "
         "embedded pair's, models/)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out/bench_tree"),
-        help="directory of policies.jsonl: each policy's score (or failure) as it is done",
-    )
+    add_out_arg(p, Path("out/bench_tree"), "policies.jsonl, each policy's score as it is done")
     args = p.parse_args(argv)
     if not args.artifacts.is_dir():
         p.error(f"--artifacts {args.artifacts}: not a directory")

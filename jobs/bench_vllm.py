@@ -48,21 +48,24 @@ import json
 import re
 from pathlib import Path
 
-from jobs.cli import add_model_args, parse_ks, parser, run, torch_threads
+from jobs.cli import (
+    add_concurrency_arg,
+    add_limit_arg,
+    add_max_tokens_arg,
+    add_model_args,
+    add_out_arg,
+    add_prompt_tokens_arg,
+    add_repeats_arg,
+    add_temperatures_arg,
+    add_threads_arg,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.bench.vllm import DOMAINS, bench_vllm, check_domains
 from pipeline.tracking import tracked_run, tracking_uri
 from pipeline.vllm_spec.env import vllm_python
 from pipeline.vllm_spec.methods import DEFAULT_METHODS, parse_methods
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = sorted({float(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"bad temperature list {text!r}: {exc}") from exc
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"temperatures must be >= 0: {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,32 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(DOMAINS),
         help=f"prompt domains, comma-separated (default: {','.join(DOMAINS)})",
     )
-    p.add_argument(
-        "--temperatures",
-        type=_floats,
-        default=[0.0, 1.0],
-        help="sampling temperatures, 0 = greedy (default: 0,1)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=parse_ks,
-        default=[1, 4, 8, 16],
-        help="requests in flight, closed loop (default: 1,4,8,16)",
-    )
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
-    p.add_argument(
-        "--limit",
-        type=int,
-        default=8,
-        help="prompts per domain; a cell at concurrency c uses max(limit, c) (8)",
-    )
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (64)")
-    p.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="keep the last this many tokens of each prompt (256)",
-    )
+    add_temperatures_arg(p, "0,1")
+    add_concurrency_arg(p, "1,4,8,16")
+    add_repeats_arg(p, 3)
+    add_limit_arg(p, 8, "per domain; a cell at concurrency c uses max(limit, c)")
+    add_max_tokens_arg(p, 64)
+    add_prompt_tokens_arg(p)
     p.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
@@ -111,18 +94,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run vLLM with Intel OpenMP preloaded (LD_PRELOAD of the vLLM environment's "
         "libiomp5.so), as vLLM's CPU backend recommends for speculation",
     )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads of our engine (1: what vLLM's CPU worker uses here)",
-    )
-    p.add_argument("--out", type=Path, default=Path("out/bench_vllm"), help="results directory")
+    add_threads_arg(p, 1, "of our engine (1: what vLLM's CPU worker uses here)")
+    add_out_arg(p, Path("out/bench_vllm"))
     args = p.parse_args(argv)
     if min(args.repeats, args.limit, args.max_tokens, args.prompt_tokens, args.threads) < 1:
         p.error("--repeats, --limit, --max-tokens, --prompt-tokens and --threads must be >= 1")
     if min(args.concurrency) < 1:
         p.error("--concurrency must be >= 1")
+    if min(args.temperatures) < 0:
+        p.error(f"--temperatures must be >= 0, got {args.temperatures}")
+    args.temperatures = sorted(set(args.temperatures))
     try:
         args.domain_list = check_domains(args.domains)
     except ValueError as exc:

@@ -24,7 +24,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, add_model_args, parse_ks, parser, run, torch_threads
+from jobs.cli import (
+    add_limit_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_out_arg,
+    add_repeats_arg,
+    add_source_arg,
+    add_temperatures_arg,
+    add_threads_arg,
+    parse_ks,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.cost.calibration import DESIGNS, run_calibration
 from pipeline.cost.modes import format_modes
 from pipeline.cost.report import fit_metrics, format_design_comparison, format_report
@@ -34,24 +47,11 @@ from pipeline.models.loading import load_pair
 from pipeline.tracking import tracked_run, tracking_uri
 
 
-def _temperatures(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of temperatures (e.g. 0,1)"
-        ) from None
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.calibrate", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
-    p.add_argument("--limit", type=int, default=8, help="prompts (8)")
+    add_source_arg(p)
+    add_limit_arg(p, 8)
     p.add_argument("--ks", type=parse_ks, default=parse_ks("0-10"), help="budgets K (0-10)")
     p.add_argument(
         "--look-ks",
@@ -60,27 +60,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ks; 'none' for none (default: every other K of --ks from the "
         "smallest: 0,2,4,... for 0-10)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generation (64)")
-    p.add_argument(
-        "--temperatures",
-        "--temperature",
-        type=_temperatures,
-        default=[0.0],
-        help="decoding modes of the timed rounds, interleaved per prompt: 0 greedy (the "
-        "default), > 0 sampled at that temperature (the draft's sampling and the acceptance "
-        "walk then in the timed work); e.g. 0,1 prices both in one costmodel.json (its "
-        "`modes`; the first mode also gives the file's own draft line)",
+    add_max_new_tokens_arg(p, 64)
+    add_temperatures_arg(
+        p,
+        "0",
+        "each a decoding mode of the timed rounds, interleaved per prompt (at T > 0 the "
+        "draft's sampling and the acceptance walk are in the timed work); e.g. 0,1 prices both "
+        "in one costmodel.json (its `modes`; the first mode also gives the file's own draft line)",
+        alias="--temperature",
     )
     p.add_argument(
         "--top-p", type=float, default=1.0, help="nucleus of the sampled modes (1: none)"
     )
     p.add_argument("--warmup-tokens", type=int, default=16, help="discarded warm-up per K")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="time each pass this many times back to back, keep the median (1: as decoding "
-        "runs it; a repeat finds the weights in cache)",
+    add_repeats_arg(
+        p,
+        None,
+        "time each pass this many times back to back, keep the median (1: as decoding runs "
+        "it; a repeat finds the weights in cache)",
     )
     p.add_argument(
         "--design",
@@ -125,13 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="context lengths (tokens) of forced-contexts, e.g. 128,512,1024; 'auto': 3 "
         "spread over the observational rounds' range; 'prompts': the prompts' own lengths",
     )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads for the timings (default: torch's own); recorded",
-    )
-    p.add_argument("--out", type=Path, default=Path("out/calibration"))
+    add_threads_arg(p, None, "for the timings; recorded")
+    add_out_arg(p, Path("out/calibration"), "costmodel.json, rounds.parquet and plots")
     args = p.parse_args(argv)
     if args.designed_repeats < 1 or args.designed_per_round < 1 or args.max_levels < 2:
         p.error("--designed-repeats and --designed-per-round must be >= 1, --max-levels >= 2")

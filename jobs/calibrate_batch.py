@@ -20,7 +20,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, add_model_args, parse_ks, parser, run, torch_threads
+from jobs.cli import (
+    add_batch_sizes_arg,
+    add_limit_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_out_arg,
+    add_prompt_tokens_arg,
+    add_source_arg,
+    add_threads_arg,
+    parse_ks,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.cost.batch_calibration import calibrate_batch
 from pipeline.cost.model import CostModel
 from pipeline.cost.provenance import pair_provenance
@@ -33,40 +46,25 @@ from pipeline.tracking import tracked_run, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.calibrate_batch", __doc__)
     add_model_args(p)
-    p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
-    p.add_argument("--limit", type=int, default=16, help="prompts (16)")
-    p.add_argument(
-        "--batch-sizes",
-        type=parse_ks,
-        default=parse_ks("1,2,4,8,16"),
-        help="generations decoded at once (1,2,4,8,16)",
-    )
+    add_source_arg(p)
+    add_limit_arg(p, 16)
+    add_batch_sizes_arg(p, "1,2,4,8,16")
     p.add_argument(
         "--ks",
         type=parse_ks,
         default=parse_ks("0-8"),
         help="fixed chain lengths the generations draw from (0-8; 0: plain steps)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per generation (48)")
-    p.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="keep the last this many tokens of each prompt (256)",
-    )
+    add_max_new_tokens_arg(p, 48)
+    add_prompt_tokens_arg(p)
     p.add_argument(
         "--costmodel",
         type=Path,
         default=Path("models/costmodel.json"),
         help="the pair's batch-1 cost model, which gains the batch section",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where to write the result (default: --costmodel, in place)",
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1, as a replica)")
+    add_out_arg(p, None, "the cost model with its batch section (default: --costmodel, in place)")
+    add_threads_arg(p, 1, "as a serving replica runs")
     p.add_argument(
         "--allow-costmodel-mismatch",
         action="store_true",

@@ -35,11 +35,20 @@ from pathlib import Path
 
 from transformers import PretrainedConfig
 
-from jobs.cli import parse_ks, parser, run, torch_threads
+from jobs.cli import (
+    add_device_args,
+    add_out_arg,
+    add_repeats_arg,
+    add_seed_arg,
+    add_threads_arg,
+    parse_ks,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.cost.random_report import fit_metrics, format_report
 from pipeline.cost.random_target import run_random_calibration
 from pipeline.models.adapters import adapter_for
-from pipeline.models.loading import EXPERTS_IMPLEMENTATIONS
 from pipeline.models.random_moe import LAYOUTS, layout_config
 from pipeline.tracking import tracked_run, tracking_uri
 
@@ -85,19 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FIELD=VALUE",
         help="any other config field (VALUE read as JSON), repeatable",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bfloat16 on a GPU, float32 on a CPU), float32, bfloat16 ...",
-    )
-    p.add_argument(
-        "--experts-implementation",
-        default="eager",
-        choices=EXPERTS_IMPLEMENTATIONS,
-        help="MoE experts kernel (eager: one expert at a time, cost tracks unique "
-        "experts; grouped_mm: one grouped GEMM, what a GPU serves with)",
-    )
+    add_device_args(p)
     p.add_argument(
         "--ms",
         type=parse_ks,
@@ -110,23 +107,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="context lengths in tokens, comma-separated (128,512,1024)",
     )
     p.add_argument("--per-length", type=int, default=2, help="random contexts at each length (2)")
-    p.add_argument(
-        "--repeats", type=int, default=5, help="timed passes per (context, m, U) cell, shuffled (5)"
-    )
+    add_repeats_arg(p, 5, "timed passes per (context, m, U) cell, shuffled")
     p.add_argument(
         "--max-levels",
         type=int,
         default=8,
         help="U levels per m, evenly spaced over the feasible range (8)",
     )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads for the timings (default: torch's own); recorded",
-    )
-    p.add_argument("--seed", type=int, default=0, help="weights, contexts, designs, order (0)")
-    p.add_argument("--out", type=Path, default=Path("out/calibrate_random"))
+    add_threads_arg(p, None, "for the timings; recorded")
+    add_seed_arg(p, "of the weights, contexts, designs and order")
+    add_out_arg(p, Path("out/calibrate_random"))
     args = p.parse_args(argv)
     if args.ms[0] < 1:
         p.error("--ms must be >= 1 (positions per pass)")

@@ -21,7 +21,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, parse_ks, parser, run
+from jobs.cli import (
+    add_batch_sizes_arg,
+    add_draft_arg,
+    add_limit_arg,
+    add_max_tokens_arg,
+    add_out_arg,
+    add_prompt_tokens_arg,
+    add_source_arg,
+    add_target_arg,
+    parser,
+    run,
+)
 from pipeline.data.domains import load_prompts
 from pipeline.data.prompts import encode
 from pipeline.tracking import tracked_run
@@ -30,25 +41,15 @@ from pipeline.vllm_spec.calibration import calibrate_vllm
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.calibrate_vllm", __doc__)
-    p.add_argument("--target", type=Path, default=Path("models/target"), help="MoE target")
-    p.add_argument("--draft", type=Path, default=Path("models/draft"), help="our draft")
-    p.add_argument("--source", default="humaneval", help=SOURCE_HELP)
-    p.add_argument("--limit", type=int, default=16, help="prompts (16)")
-    p.add_argument(
-        "--batch-sizes",
-        type=parse_ks,
-        default=parse_ks("1,2,4,8,16"),
-        help="requests decoded at once (1,2,4,8,16)",
-    )
+    add_target_arg(p, Path("models/target"))
+    add_draft_arg(p, Path("models/draft"))
+    add_source_arg(p)
+    add_limit_arg(p, 16)
+    add_batch_sizes_arg(p, "1,2,4,8,16")
     p.add_argument("--k", type=int, default=8, help="longest draft the design draws (8)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (64)")
-    p.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=256,
-        help="keep the last this many tokens of each prompt (256)",
-    )
-    p.add_argument("--out", type=Path, default=Path("models/vllm_costmodel.json"))
+    add_max_tokens_arg(p, 64)
+    add_prompt_tokens_arg(p)
+    add_out_arg(p, Path("models/vllm_costmodel.json"), "the vLLM step cost model")
     args = p.parse_args(argv)
     if args.limit < 1 or args.max_tokens < 8 or not 1 <= args.k <= 16:
         p.error("--limit must be >= 1, --max-tokens >= 8 and --k in 1..16")

@@ -37,9 +37,22 @@ import argparse
 import math
 from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, add_model_args, parser, ray_session, run
+from jobs.cli import (
+    add_limit_arg,
+    add_lmax_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_num_cpus_arg,
+    add_out_arg,
+    add_predictor_arg,
+    add_seed_arg,
+    add_source_arg,
+    add_threads_arg,
+    parser,
+    ray_session,
+    run,
+)
 from pipeline.data.domains import load_prompts
-from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR
 from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.junk_tails import ACCEPTANCES, TAIL_MODES, draws_per_acceptance
 from pipeline.extract.ray_pipeline import ExtractConfig, run_extraction
@@ -50,16 +63,12 @@ from pipeline.tracking import tracked_run, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.extract", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--out", type=Path, default=Path("out/extract"), help="output directory")
-    p.add_argument("--lmax", type=int, default=8, help="largest draft length to price (8)")
+    add_source_arg(p)
+    add_limit_arg(p, None)
+    add_out_arg(p, Path("out/extract"))
+    add_lmax_arg(p, 8, "priced")
     p.add_argument("--tail-mode", choices=TAIL_MODES, default="shared", help="junk-tail sampling")
-    p.add_argument("--seed", type=int, default=0, help="seed of the junk-tail sampling")
+    add_seed_arg(p, "of the junk-tail sampling")
     p.add_argument(
         "--acceptance",
         default=",".join(ACCEPTANCES),
@@ -94,13 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=12,
         help="draft nodes per state kept for each rule (12: gamma <= 13)",
     )
-    p.add_argument(
-        "--predictor",
-        type=Path,
-        default=DEFAULT_PREDICTOR,
-        help="expert predictor of the ecospec rule (the embedded target's)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="reference length budget")
+    add_predictor_arg(p)
+    add_max_new_tokens_arg(p, 128, "the reference's length budget")
     p.add_argument(
         "--use-given",
         action="store_true",
@@ -116,14 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--actors", type=int, default=None, help="actor pool size (default: auto)")
     p.add_argument("--cpus-per-actor", type=float, default=None, help="CPU actors' num_cpus")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per CPU actor")
+    add_threads_arg(p, 0, "per CPU actor (0: the node's cores shared among the actors)")
     p.add_argument(
         "--address",
         default=None,
         help="Ray address, e.g. auto (default: the job's cluster "
         "under `ray job submit`, else a new local one)",
     )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
+    add_num_cpus_arg(p)
     p.add_argument("--overwrite", action="store_true", help="discard an earlier run in --out")
     args = p.parse_args(argv)
     for name in ("lmax", "max_new_tokens", "shard_size", "batch_size", "tree_budget"):

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from jobs.cli import parse_ks, ray_session, run
+from jobs.cli import add_num_cpus_arg, add_out_arg, add_target_arg, parse_ks, ray_session, run
 from pipeline.cost.model import CostModel
 from pipeline.cost.provenance import manifest_provenance
 from pipeline.models.adapters import moe_spec
-from pipeline.models.loading import DEFAULT_TARGET, load_config, load_tokenizer
+from pipeline.models.loading import load_config, load_tokenizer
 from pipeline.oracle.fanout import OracleConfig
 from pipeline.oracle.inputs import ACCEPTANCE_MODES, extraction_lmax
 from pipeline.oracle.study import StudyResult, format_study, run_study
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--extract", type=Path, default=Path("out/extract"), help="extraction dir")
     p.add_argument("--costmodel", type=Path, default=Path("out/calibration/costmodel.json"))
-    p.add_argument("--target", default=str(DEFAULT_TARGET), help="target (layout, tokenizer)")
+    add_target_arg(p)
     p.add_argument(
         "--lmax", type=parse_ks, default=None, help="Lmax sweep, e.g. 1-12 (default: 1..extracted)"
     )
@@ -71,14 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the selected configuration drafts k >= 1 at every state (the paper's); by default "
         "k = 0, a plain step, is an action too, so the bound is >= 1",
     )
-    p.add_argument("--out", type=Path, default=Path("out/oracle"))
+    add_out_arg(p, Path("out/oracle"))
     p.add_argument(
         "--allow-costmodel-mismatch",
         action="store_true",
         help="price with a cost model measured on other checkpoints, dtype or experts "
         "implementation than the extraction's (refused by default)",
     )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
+    add_num_cpus_arg(p)
     return p.parse_args(argv)
 
 

@@ -17,7 +17,15 @@ import json
 import time
 from pathlib import Path
 
-from jobs.cli import SOURCE_HELP, add_model_args, parser, run
+from jobs.cli import (
+    add_limit_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_out_arg,
+    add_source_arg,
+    parser,
+    run,
+)
 from pipeline.data.domains import load_prompts
 from pipeline.data.references import build_references
 from pipeline.extract.routing_profile import profile_references
@@ -28,20 +36,16 @@ from pipeline.tracking import tracked_run, tracking_uri
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.profile_routing", __doc__)
     add_model_args(p)
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
-    p.add_argument("--limit", type=int, default=24, help="number of prompts (default 24)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="reference length budget")
+    add_source_arg(p)
+    add_limit_arg(p, 24)
+    add_max_new_tokens_arg(p, 96, "the reference's length budget")
     p.add_argument(
         "--use-given",
         action="store_true",
         help="use the source's references when present (the first turn's; of a list, the first)",
     )
     p.add_argument("--max-window", type=int, default=8, help="largest window (default 8)")
-    p.add_argument("--out", type=Path, default=Path("out/profile"), help="output directory")
+    add_out_arg(p, Path("out/profile"))
     args = p.parse_args(argv)
     if args.limit < 1 or args.max_new_tokens < 1 or args.max_window < 1:
         p.error("--limit, --max-new-tokens and --max-window must be >= 1")

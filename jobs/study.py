@@ -23,9 +23,19 @@ from pathlib import Path
 from jobs import calibrate as calibrate_job
 from jobs import extract as extract_job
 from jobs import oracle as oracle_job
-from jobs.cli import SOURCE_HELP, add_model_args, ray_session, run
+from jobs.cli import (
+    add_limit_arg,
+    add_lmax_arg,
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_num_cpus_arg,
+    add_out_arg,
+    add_predictor_arg,
+    add_source_arg,
+    ray_session,
+    run,
+)
 from pipeline.cost.calibration import DESIGNS
-from pipeline.decode.policies.artifacts import DEFAULT_PREDICTOR
 from pipeline.extract.draft_trees import TreeRule
 from pipeline.extract.routing_profile import extraction_profile
 from pipeline.extract.tree_rows import tree_predictor
@@ -41,14 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--source",
-        default="humaneval",
-        help=SOURCE_HELP,
-    )
-    p.add_argument("--limit", type=int, default=16, help="reference sequences (16)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="reference length (128)")
-    p.add_argument("--lmax", type=int, default=12, help="largest draft length studied (12)")
+    add_source_arg(p)
+    add_limit_arg(p, 16, "each a reference sequence")
+    add_max_new_tokens_arg(p, 128, "the reference's length")
+    add_lmax_arg(p, 12, "studied")
     p.add_argument("--calibration-prompts", type=int, default=4, help="prompts timed (4)")
     p.add_argument("--calibration-tokens", type=int, default=48, help="tokens per timed run")
     p.add_argument(
@@ -72,15 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default: eagle2,ecospec, or eagle2 alone when --predictor does not fit the "
         "target; '' for none)",
     )
-    p.add_argument(
-        "--predictor",
-        type=Path,
-        default=DEFAULT_PREDICTOR,
-        help="expert predictor of the ecospec rule (the embedded target's)",
-    )
+    add_predictor_arg(p)
     add_model_args(p)
-    p.add_argument("--out", type=Path, default=Path("out/study"))
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a new local Ray")
+    add_out_arg(p, Path("out/study"))
+    add_num_cpus_arg(p)
     args = p.parse_args(argv)
     for name in ("limit", "max_new_tokens", "lmax", "calibration_tokens", "calibration_threads"):
         if getattr(args, name) < 1:

@@ -27,7 +27,17 @@ import argparse
 import json
 from pathlib import Path
 
-from jobs.cli import add_model_args, parser, run, torch_threads
+from jobs.cli import (
+    add_max_new_tokens_arg,
+    add_model_args,
+    add_out_arg,
+    add_seed_arg,
+    add_temperatures_arg,
+    add_threads_arg,
+    parser,
+    run,
+    torch_threads,
+)
 from pipeline.acceptance.training import train_acceptance
 from pipeline.data.domains import DOMAINS, load_domain
 from pipeline.models.loading import REPO_ROOT, load_pair
@@ -39,7 +49,7 @@ DEFAULT_OUT = REPO_ROOT / "models" / "acceptance.json"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_acceptance", __doc__)
     add_model_args(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to save ({DEFAULT_OUT})")
+    add_out_arg(p, DEFAULT_OUT)
     p.add_argument(
         "--per-domain",
         type=int,
@@ -52,12 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8,
         help="leading prompts of each domain left out: bench's --limit (8)",
     )
-    p.add_argument(
-        "--temperatures",
-        default="0,0.5,1",
-        help="comma-separated; 0 trains the greedy part, > 0 the sampled (0,0.5,1)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens traced per prompt (96)")
+    add_temperatures_arg(p, "0,0.5,1", "0 trains the greedy part, > 0 the sampled")
+    add_max_new_tokens_arg(p, 96, "each traced")
     p.add_argument(
         "--max-m",
         type=int,
@@ -65,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="largest verification pass whose expert union is recorded (13)",
     )
     p.add_argument("--decay", type=float, default=0.8, help="recent acceptance's EMA decay (0.8)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
+    add_threads_arg(p, None)
+    add_seed_arg(p)
     p.add_argument(
         "--traces",
         type=Path,
@@ -74,11 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="an .npz to save the traces to, or to refit from when it exists",
     )
     args = p.parse_args(argv)
-    try:
-        args.temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
-    except ValueError:
-        p.error(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}")
-    if not args.temperatures or min(args.temperatures) < 0:
+    if min(args.temperatures) < 0:
         p.error("--temperatures needs at least one value, none negative")
     if args.per_domain < 1 or args.skip < 0 or args.max_new_tokens < 2 or args.max_m < 1:
         p.error("--per-domain, --max-new-tokens >= 2, --max-m >= 1 and --skip >= 0, please")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobs.cli import add_model_args, parser, run
+from jobs.cli import add_model_args, add_out_arg, add_seed_arg, parser, run
 from pipeline.models.loading import REPO_ROOT, load_pair
 from pipeline.predictor.training import train_predictor
 from pipeline.tracking import tracked_run
@@ -28,12 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_predictor", __doc__)
     add_model_args(p)
     p.add_argument("--extract", type=Path, required=True, help="extraction dir (tokens table)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to save ({DEFAULT_OUT})")
+    add_out_arg(p, DEFAULT_OUT)
     p.add_argument("--epochs", type=int, default=30, help="training epochs (30)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--held-out", type=float, default=0.2, help="share of sequences held out")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p)
     args = p.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1:
         p.error("--epochs and --batch-size must be >= 1")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.cli import parser, run
+from jobs.cli import add_out_arg, add_seed_arg, add_threads_arg, parser, run
 from pipeline.tiny.build import build_embedded_models
 from pipeline.tiny.eagle3_training import HeadTraining, train_head
 from pipeline.tiny.second_draft import distill_second_draft
@@ -29,22 +29,22 @@ from pipeline.tracking import tracked_run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("jobs.train_tiny", __doc__)
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory (models; with --draft-for: required, the draft's own)",
+    add_out_arg(
+        p,
+        None,
+        "the models (default: models/); with --draft-for or --head-for: required, that "
+        "model's own directory",
     )
     p.add_argument("--target-steps", type=int, default=700, help="target optimizer steps")
     p.add_argument("--draft-steps", type=int, default=500, help="draft distillation steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p)
     p.add_argument(
         "--heldout-tokens", type=int, default=60_000, help="held-out tokens to evaluate on"
     )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    add_threads_arg(p, 0, "0: torch's own")
     p.add_argument(
         "--draft-for",
         type=Path,

@@ -16,11 +16,7 @@ serving.prepare      a parsed request as a Job: prompts, policy, limits, seeds, 
 serving.generation   a request's generations on that thread, answered as a body or a stream
 serving.metrics      Ray metrics (Prometheus): requests, latency, tokens, speculation
 serving.app          the FastAPI ingress deployment, the app builder (`serve run serving.app:app`)
-serving.bench        the serving benchmark's harness (jobs.bench_serve)
-serving.sweep        the concurrency sweep's harness (jobs.bench_serve_sweep): endpoint modes
-                     and the vLLM app, interleaved
-serving.sweep_client the sweep's streaming clients
-serving.sweep_compare the vLLM app against the endpoint, best fixed K and none
-serving.sweep_report the sweep's table and files
-serving.vllm_app     the vLLM app (vllm_serving) started from this environment
+
+The benchmarks that drive this endpoint (jobs.bench_serve, jobs.bench_serve_sweep) live in
+pipeline.bench (serve, serve_sweep*).
 """

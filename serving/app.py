@@ -49,7 +49,7 @@ from serving.prepare import prepare_job
 from serving.protocol import parse_chat_request, parse_request, read_json
 from serving.responses import now
 from serving.settings import AppArgs
-from serving.speculation import default_spec, policy_names
+from serving.speculation import default_spec, policy_labels, policy_names
 from serving.worker import DecodeWorker
 
 log = logging.getLogger("ray.serve")
@@ -188,6 +188,7 @@ class SpecboundServer:
                     "draft": self.pair.draft_path,
                     "context_length": self.context,
                     "policies": policy_names(),
+                    "policy_labels": policy_labels(),
                 }
             ],
         }

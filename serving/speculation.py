@@ -113,3 +113,9 @@ def build_policy(
 
 def policy_names() -> list[str]:
     return list(POLICIES)  # plugins registered at replica start included
+
+
+def policy_labels() -> dict[str, dict[str, str]]:
+    """Each policy's label as /v1/models lists it: kind (default, peer, experimental), the
+    temperature regime a default serves, the work a peer follows."""
+    return {name: cls.label.as_dict() for name, cls in POLICIES.items() if cls.label}

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from pipeline.decode.policies.base import Policy
+from pipeline.decode.policies.labels import EXPERIMENTAL
 from pipeline.decode.policies.registry import register_policy
 from pipeline.decode.step_limits import StepWork
 
@@ -17,6 +18,7 @@ STALL = threading.Event()  # never set: the wait ends only with the process
 @dataclass
 class StallPolicy(Policy):
     name = "stall"
+    label = EXPERIMENTAL
     summary = "test only: a proposal that never returns"
 
     def step_work(self) -> StepWork:

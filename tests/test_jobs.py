@@ -340,6 +340,74 @@ def test_every_job_that_loads_models_takes_the_experts_implementation(job, requi
     assert args.experts_implementation == "grouped_mm"
 
 
+# The options many jobs share: defined once, in jobs/cli.py (add_*_arg helpers), never by a job.
+COMMON_FLAGS = (
+    "--target",
+    "--draft",
+    "--device",
+    "--dtype",
+    "--experts-implementation",
+    "--source",
+    "--limit",
+    "--max-new-tokens",
+    "--max-tokens",
+    "--prompt-tokens",
+    "--temperatures",
+    "--concurrency",
+    "--batch-sizes",
+    "--repeats",
+    "--threads",
+    "--seed",
+    "--out",
+    "--num-cpus",
+    "--predictor",
+)
+
+
+def _flags_defined(path: Path) -> set[str]:
+    """The option strings a module passes to add_argument (any parser or group)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            found.update(a.value for a in node.args if isinstance(a, ast.Constant))
+    return found
+
+
+def test_the_common_options_are_defined_only_in_the_shared_parser():
+    jobs = REPO_ROOT / "jobs"
+    assert set(COMMON_FLAGS) <= _flags_defined(jobs / "cli.py")
+    for path in sorted(jobs.glob("*.py")):
+        if path.name != "cli.py":
+            own = _flags_defined(path) & set(COMMON_FLAGS)
+            assert not own, f"{path.name} defines {sorted(own)}: use jobs.cli's add_*_arg"
+
+
+def test_the_shared_options_keep_each_jobs_defaults():
+    from jobs import bench_serve, bench_serve_sweep, bench_vllm, calibrate, extract, train_tiny
+
+    vllm = bench_vllm.parse_args([])
+    assert (vllm.temperatures, vllm.concurrency, vllm.limit) == ([0.0, 1.0], [1, 4, 8, 16], 8)
+    assert bench_vllm.parse_args(["--temperatures", "1,0,1"]).temperatures == [0.0, 1.0]
+    assert (vllm.repeats, vllm.threads, vllm.out) == (3, 1, Path("out/bench_vllm"))
+    cal = calibrate.parse_args([])
+    assert (cal.temperatures, cal.repeats, cal.threads) == ([0.0], None, None)
+    assert calibrate.parse_args(["--temperature", "1,0"]).temperatures == [1.0, 0.0]
+    sweep = bench_serve_sweep.parse_args([])
+    assert (sweep.source, sweep.limit, sweep.max_tokens) == (["sharegpt", "humaneval"], 32, 64)
+    serve = bench_serve.parse_args([])
+    assert (serve.source, serve.concurrency, serve.max_tokens, serve.num_cpus) == (
+        "humaneval",
+        8,
+        32,
+        None,
+    )
+    ext = extract.parse_args([])
+    assert (ext.limit, ext.threads, ext.seed, ext.target) == (None, 0, 0, str(DEFAULT_TARGET))
+    assert train_tiny.parse_args([]).out == Path("models")
+
+
 def test_policy_specs_parse_names_and_knobs(capsys):
     from jobs.cli import parse_policy_specs
 

@@ -1,6 +1,7 @@
-"""The policy registry is the one source of policy names and knobs: every registered policy is
-built from its declared defaults, decodes losslessly at T = 0, and refuses a knob of the wrong
-type or out of its declared range with an error naming the knob. A policy added to the
+"""The policy registry is the one source of policy names, labels and knobs: every registered
+policy is labelled (default at a temperature, peer with the work it follows, or experimental),
+is built from its declared defaults, decodes losslessly at T = 0, and refuses a knob of the
+wrong type or out of its declared range with an error naming the knob. A policy added to the
 registry is covered here without touching this file."""
 
 from __future__ import annotations
@@ -16,8 +17,23 @@ from pipeline.cost.model import CostModel
 from pipeline.data.references import greedy_continuation
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policies.artifacts import PolicyArtifacts
+from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, KnobError
-from pipeline.decode.policies.registry import POLICIES, make_policy, validate_knobs
+from pipeline.decode.policies.labels import (
+    EXPERIMENTAL,
+    KINDS,
+    TEMPERATURES,
+    PolicyLabel,
+    default,
+    peer,
+)
+from pipeline.decode.policies.registry import (
+    POLICIES,
+    make_policy,
+    register_policy,
+    validate_knobs,
+)
+from pipeline.decode.step_limits import StepWork
 from pipeline.predictor.model import ExpertMLP, LearnedExpertPredictor
 from tests.test_engine import perturbed_pair
 
@@ -88,6 +104,93 @@ def test_the_registry_lists_every_policy_once_with_typed_bounded_knobs():
         if dataclasses.is_dataclass(cls):  # every knob is a constructor field
             fields = {f.name for f in dataclasses.fields(cls)}
             assert set(names) <= fields, (name, set(names) - fields)
+
+
+# --- labels: what each policy is to the product ------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_has_a_valid_label_of_its_own(name):
+    cls = POLICIES[name]
+    label = cls.__dict__.get("label")  # declared by the class, not inherited
+    assert isinstance(label, PolicyLabel), name
+    assert label.kind in KINDS, (name, label)
+    if label.kind == "default":
+        assert label.temperature in TEMPERATURES, (name, label)
+    else:
+        assert label.temperature is None, (name, label)
+    if label.kind == "peer":
+        assert label.follows and label.follows.strip(), (name, "a peer names its paper")
+    if label.kind == "experimental":
+        assert label.follows is None, name
+
+
+def test_exactly_one_default_per_temperature_regime():
+    defaults: dict[str, list[str]] = {t: [] for t in TEMPERATURES}
+    for name, cls in POLICIES.items():
+        if cls.label.kind == "default":
+            defaults[cls.label.temperature].append(name)
+    assert all(len(names) == 1 for names in defaults.values()), defaults
+
+
+def test_the_default_labels_are_what_a_request_without_a_policy_gets():
+    """The labels agree with the endpoint: a request naming no policy gets the T = 0 default
+    at temperature 0 and the T > 0 default at its default temperature (1.0), with the
+    committed artifacts."""
+    from pipeline.decode.policies.artifacts import load_artifacts
+    from serving.protocol import CompletionRequest
+    from serving.speculation import default_spec
+
+    by_regime = {cls.label.temperature: n for n, cls in POLICIES.items() if cls.label.temperature}
+    artifacts = load_artifacts()
+    assert default_spec(artifacts, 0.0)[0] == by_regime["T = 0"]
+    request_t = CompletionRequest(prompt="x").temperature
+    assert request_t == 1.0
+    assert default_spec(artifacts, request_t)[0] == by_regime["T > 0"]
+
+
+def test_the_labels_are_listed_with_the_policies():
+    from serving.speculation import policy_labels, policy_names
+
+    labels = policy_labels()
+    assert set(labels) == set(policy_names())
+    assert labels["throughput"] == {"kind": "default", "temperature": "T = 0"}
+    assert labels["fixed"]["kind"] == "peer" and labels["fixed"]["follows"]
+
+
+def test_a_label_says_what_its_kind_needs():
+    assert str(default("T > 0", "SpecDec++")) == "default at T > 0: SpecDec++"
+    assert str(EXPERIMENTAL) == "experimental"
+    for bad in (
+        lambda: PolicyLabel("ours"),
+        lambda: PolicyLabel("default"),  # no temperature
+        lambda: default("T = 1"),  # not a regime
+        lambda: PolicyLabel("peer"),  # no paper
+        lambda: peer(""),
+        lambda: PolicyLabel("experimental", temperature="T = 0"),
+        lambda: PolicyLabel("experimental", follows="a paper"),
+    ):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_registration_without_a_label_fails():
+    work = StepWork(draft_forwards=0, draft_tokens=0, verified=1, why="nothing")
+
+    class Unlabelled(Policy):
+        name = "unlabelled"
+        summary = "test only"
+
+        def step_work(self) -> StepWork:
+            return work
+
+    class Inheriting(POLICIES["throughput"]):  # a subclass must say what it is itself
+        name = "inheriting"
+
+    for cls in (Unlabelled, Inheriting):
+        with pytest.raises(TypeError, match="label"):
+            register_policy(cls)
+        assert cls.name not in POLICIES
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

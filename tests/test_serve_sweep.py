@@ -14,8 +14,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from jobs import bench_serve_sweep
+from pipeline.bench.serve_sweep import SweepSettings, metric_key, policy_label
 from pipeline.vllm_spec.env import vllm_python
-from serving.sweep import SweepSettings, metric_key, policy_label
 
 POLICY = {"policy": "fixed", "k": 2}
 

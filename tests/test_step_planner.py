@@ -225,3 +225,71 @@ def test_one_slow_step_cannot_stop_drafting_and_idle_steps_bring_it_back() -> No
     for _ in range(300):
         planner.observe_step(1, 0, 1, planner.step_ms(1, 0, 1))  # idle steps, as priced
     assert planner.choose(rows) > 0
+
+
+def test_a_request_caps_its_row_and_a_batch_of_capped_rows_drafts_nothing() -> None:
+    planner = StepPlanner(4, PlannerConfig(trim=False), Priors(rates={"greedy": 0.95}))
+    planner.theta = np.array([5.0, 0.05, 0.0, 0.2, 0.01])  # drafting is cheap: k = 4 pays
+    planner.tokens_per_ms = 0.1
+    assert planner.choose(["a", "b"]) == 4
+    planner.set_cap("a", 0)
+    planner.set_cap("b", 0)
+    assert planner.choose(["a", "b"]) == 0  # no row may draft: the step runs as none
+    assert planner.held_off == 2
+    planner.set_cap("b", 2)
+    assert planner.choose(["a", "b"]) == 2  # more than the largest cap buys nothing
+    assert planner.keep("a", 4) == 0 and planner.keep("b", 4) == 2
+    assert planner.keep("c", 4) == 4  # a request without a cap
+    planner.forget_requests({"c"})
+    assert planner.caps == {}
+    # The brute force over k with each row's expected tokens cut at its cap.
+    planner.set_cap("a", 1)
+    rates = np.array([planner.rate("a"), planner.rate("c")])
+    caps = np.array([1, 4])
+
+    def worth(k: int) -> float:
+        positions = float(np.sum(1 + np.minimum(k, caps)))
+        return planner.expected_tokens(rates, k, caps) / planner.step_ms(positions, k, 2)
+
+    assert planner.choose(["a", "c"]) == max(range(5), key=worth)
+
+
+@pytest.mark.parametrize(
+    "extra, temperature, seed, cap",
+    [
+        (None, 0.0, None, 4),
+        ({"speculation": "off"}, 0.0, None, 0),
+        ({"max_draft_tokens": 2}, 0.0, None, 2),
+        ({"max_draft_tokens": 9}, 0.0, None, 4),
+        (None, 1.0, 7, 0),  # seeded and sampled: drafts nothing so its seed repeats
+        ({"speculation": "on"}, 1.0, 7, 4),  # unless it asks to draft
+        (None, 0.0, 7, 4),  # a seed changes nothing at T = 0
+        ({"other": 1}, 1.0, None, 4),
+    ],
+)
+def test_draft_cap_reads_the_request(extra, temperature, seed, cap) -> None:
+    from types import SimpleNamespace
+
+    from pipeline.vllm_spec.request_args import draft_cap
+
+    params = SimpleNamespace(extra_args=extra, temperature=temperature, seed=seed)
+    assert draft_cap(params, 4) == cap
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"speculation": "maybe"}, "vllm_xargs.speculation"),
+        ({"max_draft_tokens": True}, "vllm_xargs.max_draft_tokens"),
+        ({"max_draft_tokens": -1}, "vllm_xargs.max_draft_tokens"),
+        ({"max_draft_tokens": 5}, "vllm_xargs.max_draft_tokens"),
+        ({"max_draft_tokens": "2"}, "vllm_xargs.max_draft_tokens"),
+        ([1], "vllm_xargs"),
+    ],
+)
+def test_bad_request_args_name_their_field(extra, param) -> None:
+    from pipeline.vllm_spec.request_args import check_request_args
+
+    problems = check_request_args(extra, 4)
+    assert [p for p, _ in problems] == [param]
+    assert check_request_args({"speculation": "off", "max_draft_tokens": 4, "x": 1}, 4) == []

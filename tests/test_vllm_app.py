@@ -27,7 +27,7 @@ from pipeline.vllm_spec.methods import PROPOSER_CLASS, SCHEDULER_CLASS
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 from vllm_serving.llm_configs import llm_config_dicts
-from vllm_serving.run import engine_demand, shortfall
+from vllm_serving.placement import engine_demand, shortfall
 from vllm_serving.settings import DEFAULT_K, VllmAppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,8 +364,8 @@ def app(tmp_path_factory):
         vllm_python()
     except FileNotFoundError as exc:
         pytest.skip(f"{exc} (make test builds it)")
-    from serving.bench import free_port
-    from serving.vllm_app import vllm_app
+    from pipeline.bench.serve import free_port
+    from pipeline.bench.vllm_app_launcher import vllm_app
 
     metrics_port = free_port()
     log = tmp_path_factory.mktemp("vllm_app") / "app.log"
@@ -435,14 +435,21 @@ def test_api_key(app):
             assert r.headers["www-authenticate"].startswith("Bearer")
         health = anyone.get("/healthz")
     assert health.status_code == 200
-    assert health.json() == {
-        "status": "ok",
-        "models": {MODEL: {"speculation": "ours", "k": DEFAULT_K["ours"]}},
+    body = health.json()  # every model id has a running engine replica (vllm_serving.health)
+    assert body["status"] == "ok" and list(body["models"]) == [MODEL]
+    assert body["models"][MODEL].pop("running_replicas") >= 1
+    assert body["models"][MODEL] == {
+        "speculation": "ours",
+        "k": DEFAULT_K["ours"],
+        "state": "running",
+        "reason": None,
     }
 
 
 COMPLETION = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# What no error message may carry: Ray Serve's wrapping, request ids, module paths.
+INTERNAL_WORDS = ("Request ID", "Internal exception", "ray.llm._internal", "Error:")
 
 
 @pytest.mark.slow
@@ -475,6 +482,88 @@ def test_bad_input_is_a_4xx_in_openais_shape(app, method, path, body, status, na
     assert isinstance(error["message"], str) and isinstance(error["type"], str)
     assert names in error["message"], error
     assert "Traceback" not in r.text
+    assert not any(word in error["message"] for word in INTERNAL_WORDS), error
+
+
+@pytest.mark.slow
+def test_limits_are_stated_and_refused_at_once_in_the_clients_words(app):
+    """Each model's limits in GET /v1/models (the OpenAI client still reads the list); a
+    request past one, a field of the wrong type, bad per-request speculation or an error of
+    vLLM's own gets a 400 naming the field within a second, and an ordinary request after it
+    is answered within a second too."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    (model,) = client.models.list().data
+    limits = model.metadata["limits"]
+    length = SETTINGS["max_model_len"]
+    assert limits["max_model_len"] == limits["max_tokens"] == length
+    assert limits["max_n"] == 16 and limits["max_output_tokens"] == 8 * length
+    assert limits["vllm_xargs"] == {
+        "speculation": ["on", "off"],
+        "max_draft_tokens": [0, DEFAULT_K["ours"]],
+    }
+    fits = limits["max_output_tokens"] // 16
+    cases = [
+        (b"", None, "the body must be a JSON object; it is empty"),
+        (b"[1]", None, "the body must be a JSON object, got an array"),
+        ({**COMPLETION, "max_tokens": True}, "max_tokens", "max_tokens must be an integer"),
+        ({**COMPLETION, "n": True}, "n", "n must be an integer"),
+        ({**COMPLETION, "seed": True}, "seed", "seed must be an integer"),
+        ({**COMPLETION, "n": 17}, "n", "max_n"),
+        ({**COMPLETION, "n": 16, "max_tokens": fits + 1}, "max_tokens", "max_output_tokens"),
+        ({**CHAT, "max_tokens": None, "n": 9}, "max_tokens", "max_output_tokens"),
+        (
+            {**COMPLETION, "prompt": "x" * (limits["max_prompt_chars"] + 1)},
+            "prompt",
+            "max_prompt_chars",
+        ),
+        (
+            {**COMPLETION, "vllm_xargs": {"speculation": "maybe"}},
+            "vllm_xargs.speculation",
+            "'on', 'off'",
+        ),
+        (
+            {**COMPLETION, "vllm_xargs": {"max_draft_tokens": True}},
+            "vllm_xargs.max_draft_tokens",
+            "integer",
+        ),
+        ({**CHAT, "vllm_xargs": {"depth": 2}}, "vllm_xargs.depth", "not a key"),
+        ({**COMPLETION, "max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1"),
+        # refused by vLLM in its engine replica, in the same words
+        ({**COMPLETION, "temperature": -1}, "temperature", "temperature must be non-negative"),
+    ]
+    with app.client() as c:
+        assert c.post("/v1/completions", json=COMPLETION).status_code == 200  # warm
+        for body, param, words in cases:
+            chat = isinstance(body, dict) and "messages" in body
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+            start = time.monotonic()
+            r = c.post(path, headers={"Content-Type": "application/json"}, **kwargs)
+            took = time.monotonic() - start
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+            assert words in error["message"], error
+            assert not any(word in error["message"] for word in INTERNAL_WORDS), error
+            assert took < 1, (body, took)
+            start = time.monotonic()
+            r = c.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+            assert r.status_code == 200 and time.monotonic() - start < 1, r.text
+        # per-request speculation the scheduler takes (greedy: the same text either way)
+        texts = []
+        for xargs in (None, {"speculation": "off"}, {"max_draft_tokens": 1}):
+            body = {**COMPLETION, "temperature": 0, "max_tokens": 8}
+            r = c.post("/v1/completions", json=body | ({"vllm_xargs": xargs} if xargs else {}))
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] == texts[1] == texts[2]
+    # one line per refused request in the ingress's log (forwarded to the app's log)
+    ends = time.monotonic() + 15
+    while app.log_text().count("client error 400") < len(cases):
+        assert time.monotonic() < ends, "no log line for each refused request"
+        time.sleep(0.5)
 
 
 def _cancelled(app: App, request_id: str, timeout_s: float = 15) -> bool:

@@ -267,3 +267,18 @@ def test_proposer_logic_without_an_engine(monkeypatch):
         for _ in range(3):
             ids.append(int(draft(torch.tensor([ids])).logits[0, -1].argmax()))
     assert first[0] == ids[5:]
+
+
+def test_requests_choose_their_speculation_and_seeds_repeat(scenarios):
+    """vllm_xargs speculation off / max_draft_tokens honoured row by row; a seeded T = 1 request
+    under the cost-aware scheduler with probabilistic drafting gives the text it gives without
+    speculation (12 seeds, 64 tokens), so it repeats."""
+    plain, ours = scenarios["plain_mixed"], scenarios["args_mixed"]
+    assert ours[:12] == plain[:12]
+    assert ours[12:] == plain[12:]  # greedy: drafting, off, capped
+    assert scenarios["args_held_off"] > 0
+    assert sum(scenarios["args_chosen"][1:]) > 0  # the greedy rows drafted
+    before, after = scenarios["args_off_c1_spec"]
+    drafts = "vllm:spec_decode_num_drafts"
+    assert after.get(drafts, 0) == before.get(drafts, 0)  # one request off: no draft at all
+    assert scenarios["args_off_c1"][0] == scenarios["plain_c1"][0][:48]

@@ -116,6 +116,31 @@ def main(out_path: str) -> None:
     result["sched_spec"] = spec_counters(llm)
     del llm
 
+    # What a request asks (pipeline.vllm_spec.request_args), with probabilistic drafting:
+    # seeded T = 1 rows draft nothing and so draw what they would without speculation;
+    # greedy rows with speculation off keep their text; the others draft.
+    sampled_seeds = [
+        SamplingParams(temperature=1.0, seed=500 + i, max_tokens=64, ignore_eos=True)
+        for i in range(12)
+    ]
+    off = SamplingParams(temperature=0, max_tokens=48, extra_args={"speculation": "off"})
+    capped = SamplingParams(temperature=0, max_tokens=48, extra_args={"max_draft_tokens": 1})
+    mixed_prompts = [prompts[i % len(prompts)] for i in range(12)] + prompts[:6]
+    mixed = sampled_seeds + [greedy] * 2 + [off] * 2 + [capped] * 2
+    llm = engine(None)
+    result["plain_mixed"] = ids(llm.generate(mixed_prompts, mixed, use_tqdm=False))
+    del llm
+    sampled_draft = dict(drafted, draft_sample_method="probabilistic")
+    llm = engine(sampled_draft, scheduler_cls=SCHEDULER)
+    result["args_mixed"] = ids(llm.generate(mixed_prompts, mixed, use_tqdm=False))
+    before = spec_counters(llm)
+    result["args_off_c1"] = ids(llm.generate(prompts[:1], off, use_tqdm=False))
+    result["args_off_c1_spec"] = [before, spec_counters(llm)]
+    planner = llm.llm_engine.engine_core.engine_core.scheduler.planner
+    result["args_held_off"] = planner.held_off
+    result["args_chosen"] = planner.chosen.tolist()
+    del llm
+
     # vLLM's EAGLE-3 drafter over the committed head, then under the cost-aware scheduler.
     headed = {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 4}
     llm = engine(headed)

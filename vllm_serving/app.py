@@ -23,6 +23,7 @@ from ray.serve.llm.ingress import make_fastapi_ingress
 
 from vllm_serving.ingress import ENDPOINTS, SpecboundIngress, router_app
 from vllm_serving.llm_configs import describe, llm_config_dicts
+from vllm_serving.placement import check_placement
 from vllm_serving.settings import VllmAppArgs
 
 log = logging.getLogger("ray.serve")
@@ -32,9 +33,12 @@ INGRESS_NAME = "SpecboundVllmIngress"
 
 def build_app(cli_args: dict[str, Any] | None = None) -> Application:
     """The app from `serve run` key=value arguments or a config file's `args:`; bad settings
-    are refused here, before any replica starts, with their reason."""
+    are refused here, before any replica starts, with their reason, and so is an app whose
+    engine replicas the connected cluster cannot hold (vllm_serving.placement.check_placement)."""
     args = VllmAppArgs.model_validate(cli_args or {})
-    configs = [LLMConfig(**c) for c in llm_config_dicts(args)]
+    config_dicts = llm_config_dicts(args)
+    check_placement(config_dicts)
+    configs = [LLMConfig(**c) for c in config_dicts]
     log.info("specbound on vLLM: %s", describe(args))
     ingress = make_fastapi_ingress(SpecboundIngress, endpoint_map=ENDPOINTS, app=router_app())
     deployment = serve.deployment(

@@ -16,36 +16,9 @@ import sys
 import threading
 import time
 
+from vllm_serving.placement import engine_demand, shortfall
+
 APP = "specbound-vllm"
-
-
-def engine_demand(configs: list[dict]) -> dict[str, float]:
-    """Resources the app's engine replicas hold at their minimum count: each model id's
-    placement-group bundles, once per replica (the actors themselves ask for none)."""
-    demand: dict[str, float] = {}
-    for config in configs:
-        replicas = config["deployment_config"]["autoscaling_config"]["min_replicas"]
-        for bundle in config["placement_group_config"]["bundles"]:
-            for resource, amount in bundle.items():
-                demand[resource] = demand.get(resource, 0.0) + replicas * amount
-    return demand
-
-
-def shortfall(demand: dict[str, float], cluster: dict[str, float]) -> str | None:
-    """Why the cluster cannot hold the demand, or None. Checked before deploying: Serve's own
-    "taken more than 30s to be scheduled" also appears for replicas that are merely slow to
-    start on a loaded machine, so it cannot tell the two apart."""
-    short = [
-        f"{resource} {need:g} > {cluster.get(resource, 0.0):g}"
-        for resource, need in demand.items()
-        if need > cluster.get(resource, 0.0) + 1e-9
-    ]
-    if not short:
-        return None
-    return (
-        f"the engine replicas need {', '.join(short)} in the cluster (one bundle per model id "
-        "and replica): raise --num-cpus, or lower engine_cpus, min_replicas or the models"
-    )
 
 
 def _wait_ready(url: str, app: str, deadline_s: float) -> None:

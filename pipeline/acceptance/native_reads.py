@@ -4,8 +4,10 @@ state's products with the acceptance model's two hidden-state weight vectors.
 
 Why compiled: right after a draft forward each tensor call costs 2-6x its warm time (the
 forward evicts torch's code from the caches, not the data), and the reads took five such calls
-per draft token. One C call makes them in one pass over the distribution, about 14 us less per
-draft token on the 2-core CPU (docs/online.md, "Late night of 2026-12-04").
+per draft token. One C call makes them in one pass over the distribution: 13.8 us a read right
+after a forward against 21.9 us for the tensor calls on the 2-core CPU, 11-20 us less per draft
+forward interleaved (docs/online.md, `throughput`, "Reads in one compiled call"; the
+measurements in docs/results/cold_decisions_and_compiled_reads/).
 
 The source is compiled on first use with the system's C compiler (``cc``) into a per-user cache.
 Without a compiler, with ``SPECBOUND_NATIVE=0``, or for tensors that are not contiguous float32

@@ -4,7 +4,7 @@ its draft model at fixed K, n-gram, suffix, a per-batch-size K schedule, our cos
 ``custom_class`` proposer) and by our own engine (``ar``, fixed K, ``throughput``).
 
 vLLM runs in its own environment (pipeline.vllm_spec.env), so this module writes a spec,
-runs ``pipeline.vllm_spec.run_cells`` there as a subprocess and reads its results back; our
+runs ``pipeline.bench.vllm_run_cells`` there as a subprocess and reads its results back; our
 engine then decodes the same prompts here (pipeline.bench.vllm_engine) and
 pipeline.bench.vllm_tables turns both into the tables.
 """
@@ -21,7 +21,7 @@ from pipeline.vllm_spec.env import ROOT, engine_env, vllm_python
 from pipeline.vllm_spec.methods import Method
 
 DOMAINS = ("code", "prose", "math", "sharegpt")
-PROGRESS = "[vllm] "  # run_cells' progress lines, picked out of vLLM's log
+PROGRESS = "[vllm] "  # vllm_run_cells' progress lines, picked out of vLLM's log
 ROOT_CAUSE = re.compile(r" ERROR .*?\] (\w+(?:Error|Exception): .*)")
 FAILED = re.compile(r"^repeat \d+/\d+  (.+): FAILED")
 
@@ -81,7 +81,7 @@ def max_model_len(cells: list[dict], methods: list[Method]) -> int:
 
 
 def run_vllm(spec: dict, out: Path, progress=print, extra_env: dict | None = None) -> dict:
-    """run_cells in the vLLM environment; its whole log in out/vllm.log, its progress lines
+    """vllm_run_cells in the vLLM environment; its whole log in out/vllm.log, its progress lines
     passed on. The results file it rewrites as it goes is read even after a crash.
     ``extra_env``: set for the engine only (e.g. LD_PRELOAD of Intel OpenMP)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ def run_vllm(spec: dict, out: Path, progress=print, extra_env: dict | None = Non
     cmd = [
         str(vllm_python()),
         "-m",
-        "pipeline.vllm_spec.run_cells",
+        "pipeline.bench.vllm_run_cells",
         "--spec",
         str(spec_path.resolve()),
         "--out",

@@ -1,5 +1,5 @@
 """Our engine on the vLLM benchmark's cells (pipeline.bench.vllm): the same token prompts, the
-same concurrency, every request decoded to max_tokens, recorded in run_cells' format so one
+same concurrency, every request decoded to max_tokens, recorded in vllm_run_cells' format so one
 table holds both engines.
 
 Concurrency 1 runs the plain engine one request at a time (what pipeline.bench.online
@@ -109,7 +109,7 @@ def engine_runs(
     specs: list[tuple[str, dict]] = ENGINE_SPECS,
     progress: Callable[[str], None] = print,
 ) -> list[dict]:
-    """Every (repeat, policy) over every cell, as run_cells' runs; the policy order rotates
+    """Every (repeat, policy) over every cell, as vllm_run_cells' runs; the policy order rotates
     with the cell and the repeat so drift slows every policy alike."""
     single, batched = SpeculativeEngine(pair), BatchedEngine(pair)
     warm = cells[0]["prompts"][:2]

@@ -6,7 +6,8 @@ numpy, transformers and the pipeline modules that need nothing else (the accepta
 the batch cost model, the slot cache): ``contract`` (what vLLM calls), ``config`` (settings
 and artifact checks), ``rows`` (states found by tokens), ``draft`` (packed draft forwards),
 ``router_hook`` (experts per step, calibration), ``stats``, ``step_cost`` (the step cost
-model), ``proposer``, ``calibration_run``, ``cells`` and ``run_cells`` (bench cells).
+model), ``proposer``, ``calibration_run``; the bench cells that drive vLLM live in
+pipeline.bench (``vllm_cells``, ``vllm_run_cells``).
 
 Run in the project's own environment, reaching vLLM by subprocess: ``env`` (where the vLLM
 environment is), ``calibration`` and ``step_fit`` (jobs.calibrate_vllm).

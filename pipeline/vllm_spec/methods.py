@@ -48,7 +48,7 @@ class Method:
     knobs: dict = field(default_factory=dict)
 
     def entry(self, draft: str, head: str = DEFAULT_HEAD, policy: dict | None = None) -> dict:
-        """The run_cells method entry: speculative_config, engine kwargs and env, proposer
+        """The vllm_run_cells method entry: speculative_config, engine kwargs and env, proposer
         stats. ``policy``: the scheduler's settings for ours and ours-eagle3 (PlannerConfig
         fields; the method's own scheduler knobs add to them)."""
         k, knobs = self.knobs.get("k"), self.knobs

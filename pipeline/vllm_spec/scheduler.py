@@ -18,9 +18,11 @@ reserved). One K serves the whole batch; each row's chain is then verified only 
 own acceptance pays (``keep``), so a row that does not pay verifies nothing. With the
 project's plugin (pipeline.vllm_spec.plugin) a step at 0 runs no draft forward. Each row is
 priced at its own temperature (greedy or sampled acceptance), read from its request's
-sampling parameters. Greedy output is vLLM's rejection sampling either way: the text equals
-decoding without speculation. Settings: ``SPECBOUND_SCHEDULER`` (a JSON object of
-PlannerConfig's fields), read at start.
+sampling parameters, and each row drafts at most what its request allows
+(pipeline.vllm_spec.request_args: ``vllm_xargs`` speculation off or a cap; a seeded sampled
+request drafts nothing, so that its seed repeats its text). Greedy output is vLLM's
+rejection sampling either way: the text equals decoding without speculation. Settings:
+``SPECBOUND_SCHEDULER`` (a JSON object of PlannerConfig's fields), read at start.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pipeline.vllm_spec.priors import load_priors, mode_of
+from pipeline.vllm_spec.request_args import draft_cap
 from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner
 
 PRUNE_EVERY = 64  # steps between forgetting finished requests' acceptance
@@ -72,6 +75,9 @@ class CostAwareScheduler(Scheduler):
             if request.request_id not in planner.modes:
                 params = request.sampling_params
                 planner.set_mode(request.request_id, mode_of(getattr(params, "temperature", 0)))
+                cap = draft_cap(params, self.num_spec_tokens)
+                if cap < self.num_spec_tokens:
+                    planner.set_cap(request.request_id, cap)
             if request.spec_token_ids:
                 # The drafted chain's tail not worth verifying is dropped (vLLM drops invalid
                 # draft tokens of structured output the same way).

@@ -117,16 +117,25 @@ class StepPlanner:
         self.rng = np.random.default_rng(c.seed)
         self.requests: dict[str, list[float]] = {}  # id -> [accepted, trials]
         self.modes: dict[str, str] = {}  # id -> greedy | sampled
+        self.caps: dict[str, int] = {}  # id -> most draft tokens its row may verify
         self.pooled = {m: [r * c.prior_weight, c.prior_weight] for m, r in self.mode_rates.items()}
         self.steps = 0
         self.chosen = np.zeros(max_k + 1, dtype=np.int64)  # steps per k (a report)
         self.tokens_per_ms = 0.0  # recent output of the replica (EMA over steps)
         self.trimmed = 0  # drafted tokens left unverified (a report)
+        self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
 
     # -- acceptance ---------------------------------------------------------------------
 
     def set_mode(self, request_id: str, mode: str) -> None:
         self.modes[request_id] = mode
+
+    def set_cap(self, request_id: str, cap: int) -> None:
+        """The request's own bound on its row's draft tokens (pipeline.vllm_spec.request_args)."""
+        self.caps[request_id] = max(0, min(int(cap), self.max_k))
+
+    def cap(self, request_id: str) -> int:
+        return self.caps.get(request_id, self.max_k)
 
     def _mode(self, request_id: str) -> str:
         return self.modes.get(request_id, "greedy")
@@ -170,6 +179,8 @@ class StepPlanner:
             del self.requests[gone]
         for gone in set(self.modes) - alive:
             del self.modes[gone]
+        for gone in set(self.caps) - alive:
+            del self.caps[gone]
 
     # -- step cost ----------------------------------------------------------------------
 
@@ -218,6 +229,9 @@ class StepPlanner:
         ``positions`` other verified positions (what one more adds, experts included)."""
         if self.config.design == "off":
             return 0
+        capped = min(drafted, self.cap(request_id))
+        self.trimmed += drafted - capped
+        drafted = capped
         if not self.config.trim or self.config.design == "fixed" or self.tokens_per_ms <= 0:
             return drafted
         a, kept = self.rate(request_id), 0
@@ -239,13 +253,15 @@ class StepPlanner:
             f"steps {self.steps}; k chosen {chosen or '-'}; pooled acceptance {rates}; "
             f"step ms = [c0, c_pos, c_union, d0, d_row] . [1, P, U(P), k, kB] with "
             f"[{theta}]; {self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
-            "left unverified"
+            f"left unverified; {self.held_off} row-steps held off by their request"
         )
 
     # -- the choice ---------------------------------------------------------------------
 
-    def expected_tokens(self, rates: np.ndarray, k: int) -> float:
-        return float(np.sum((1.0 - rates ** (k + 1)) / (1.0 - rates)))
+    def expected_tokens(self, rates: np.ndarray, k: int, caps: np.ndarray | None = None) -> float:
+        """Tokens a step makes when each row verifies k drafts (at most its cap)."""
+        ks = k if caps is None else np.minimum(k, caps)
+        return float(np.sum((1.0 - rates ** (ks + 1)) / (1.0 - rates)))
 
     def choose(self, request_ids: list[str]) -> int:
         k = self._choose(request_ids)
@@ -255,16 +271,22 @@ class StepPlanner:
     def _choose(self, request_ids: list[str]) -> int:
         if self.max_k == 0 or not request_ids or self.config.design == "off":
             return 0
+        caps = np.array([self.cap(r) for r in request_ids])
+        self.held_off += int(np.sum(caps == 0))
+        top = int(caps.max())
+        if top == 0:
+            return 0  # no row may draft: the step runs as without speculation
         if self.config.design == "fixed":
-            return self.max_k
+            return top
         if self.config.explore > 0 and self.rng.random() < self.config.explore:
-            return int(self.rng.integers(0, self.max_k + 1))
+            return int(self.rng.integers(0, top + 1))
         rates = np.array([self.rate(r) for r in request_ids])
         rows = len(request_ids)
         best_k, best = 0, -1.0
-        for k in range(self.max_k + 1):
-            ms = max(self.step_ms(rows * (1 + k), k, rows), 1e-3)
-            worth = self.expected_tokens(rates, k) / ms
+        for k in range(top + 1):
+            positions = float(np.sum(1 + np.minimum(k, caps)))
+            ms = max(self.step_ms(positions, k, rows), 1e-3)
+            worth = self.expected_tokens(rates, k, caps) / ms
             if worth > best:
                 best_k, best = k, worth
         return best_k

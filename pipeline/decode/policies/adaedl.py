@@ -18,6 +18,7 @@ from pipeline.acceptance.features import distribution_stats
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import peer
 from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates
 
@@ -30,6 +31,7 @@ class AdaEDLPolicy(Policy):
     lam: float = 0.3
     max_k: int = 12
     name = "adaedl"
+    label = peer("AdaEDL, Agrawal et al. 2024 (fixed lambda)")
     summary = "AdaEDL: draft while 1 - sqrt(gamma * entropy) >= lambda"
     knobs = (
         Knob("gamma", float, 0.2, 0.0, 10.0, help="scale of the entropy in the bound"),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.knobs import Knob, KnobError
+from pipeline.decode.policies.labels import PolicyLabel
 from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
 class Policy:
     name: ClassVar[str] = "policy"
     summary: ClassVar[str] = ""
+    # default, peer or experimental (pipeline.decode.policies.labels): declared by each
+    # registered class itself, never inherited; the registry refuses a class without one.
+    label: ClassVar[PolicyLabel | None] = None
     knobs: ClassVar[tuple[Knob, ...]] = ()
     # True: built from PolicyArtifacts (expert predictor, cost model, lambda).
     needs_artifacts: ClassVar[bool] = False

@@ -27,6 +27,7 @@ from pipeline.decode.batch_economy import BatchEconomy, expected
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import AcceptanceChainPolicy, draft_chain
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import EXPERIMENTAL
 from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
@@ -43,6 +44,7 @@ class BatchPolicy(AcceptanceChainPolicy):
     max_k: int | None = None
     probe_every: int = 8
     name = "batch"
+    label = EXPERIMENTAL
     summary = (
         "ours at batch > 1: every generation's chain length planned for the batch's "
         "tokens per ms (shared draft rounds, the shared expert union)"

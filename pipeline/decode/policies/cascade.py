@@ -26,6 +26,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, draft_chain, resolve_max_k
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import peer
 from pipeline.decode.step_limits import StepWork
 from pipeline.decode.types import Candidates, StepOutcome
 
@@ -51,6 +52,7 @@ class CascadePolicy(Policy):
     test_steps: int = 2
     set_steps: int = 24
     name = "cascade"
+    label = peer("Cascade: utility-driven draft length for MoE targets")
     summary = (
         "Cascade: test each K briefly, then run the K of best utility (AR price over "
         "step price); no draft when none pays"

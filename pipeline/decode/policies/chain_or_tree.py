@@ -38,6 +38,7 @@ import torch
 
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.knobs import Knob
+from pipeline.decode.policies.labels import EXPERIMENTAL
 from pipeline.decode.policies.throughput import ThroughputPolicy
 from pipeline.decode.types import Candidates, StepOutcome
 
@@ -124,6 +125,7 @@ class ChainOrTreePolicy(ThroughputPolicy):
     runner_up: float = 0.6
     second_draw: float = 0.3
     name = "chain-or-tree"
+    label = EXPERIMENTAL
     summary = (
         "ours: throughput's chain, with the draft's runner-up tokens (T = 0) or further draws "
         "(T > 0) added beside it where their modelled worth beats their verification"

@@ -27,6 +27,7 @@ from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob
+from pipeline.decode.policies.labels import peer
 from pipeline.decode.policies.tree import tree_knobs
 from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
 from pipeline.decode.step_limits import StepWork, tree_work
@@ -98,6 +99,7 @@ class EcoSpecPolicy(Policy):
     eps: float = 1e-6
     use_buffer: bool = True
     name = "ecospec"
+    label = peer("EcoSpec (arXiv 2607.12696), Algorithm 1")
     summary = "EcoSpec: draft-tree nodes by P(path) / (new experts + eps) against a buffer"
     needs_artifacts = True
     knobs = (
@@ -130,5 +132,6 @@ class EcoSpecPolicy(Policy):
 class EcoSpecGlobalPolicy(EcoSpecPolicy):
     use_buffer: bool = False
     name = "ecospec-global"
+    label = peer("EcoSpec (arXiv 2607.12696), its static global-cost ablation")
     summary = "EcoSpec's static ablation: P(path) / (|E_traj| + eps), no buffer"
     knobs = tuple(k for k in EcoSpecPolicy.knobs if k.name != "use_buffer")  # no buffer here

@@ -20,6 +20,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.policies.artifacts import PolicyArtifacts
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import peer
 from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates, StepOutcome
 from pipeline.predictor.model import ExpertPredictor
@@ -80,7 +81,11 @@ class MarginalPolicy(Policy):
     max_k: int | None = None
     calibrate: bool = False  # True: learn P(accept | q) online instead of using q itself
     name = "marginal"
-    summary = "ours: grow the chain while dE[Cost] / dE[a] <= lambda (the oracle's slope)"
+    label = peer("the bound paper's marginal rule: stop past its delta-space slope lambda")
+    summary = (
+        "the bound paper's marginal rule (a peer): grow the chain while dE[Cost] / dE[a] "
+        "<= lambda (the oracle's slope)"
+    )
     needs_artifacts = True
     knobs = (
         Knob(

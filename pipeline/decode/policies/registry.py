@@ -1,10 +1,12 @@
 """Every draft policy, registered once by name with its knobs (types, ranges, defaults), and
 the one way to build one: ``make_policy(name, [artifacts,] **knobs)``.
 
-Tests iterate over ``POLICIES`` (losslessness, knob validation, the endpoint's 400s), so a
-policy added here is covered the day it is added. The knobs live beside each policy class
-(``Policy.knobs``); the cost-aware ones (``needs_artifacts``) are built from the expert
-predictor, cost model and lambda committed under models/ unless artifacts are passed.
+Tests iterate over ``POLICIES`` (losslessness, knob validation, the endpoint's 400s, labels),
+so a policy added here is covered the day it is added. Every policy declares its label
+(default at a temperature, peer with the work it follows, or experimental); registration
+refuses one without. The knobs live beside each policy class (``Policy.knobs``); the
+cost-aware ones (``needs_artifacts``) are built from the expert predictor, cost model and
+lambda committed under models/ unless artifacts are passed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pipeline.decode.policies.cascade import CascadePolicy
 from pipeline.decode.policies.chain_or_tree import ChainOrTreePolicy
 from pipeline.decode.policies.ecospec import EcoSpecGlobalPolicy, EcoSpecPolicy
 from pipeline.decode.policies.knobs import KnobError
+from pipeline.decode.policies.labels import PolicyLabel
 from pipeline.decode.policies.marginal import MarginalPolicy
 from pipeline.decode.policies.simple import (
     AutoregressivePolicy,
@@ -30,8 +33,23 @@ from pipeline.decode.policies.specdec import SpecDecPolicy
 from pipeline.decode.policies.throughput import ThroughputPolicy
 from pipeline.decode.policies.tree import TreePolicy
 
+
+def check_policy_class(cls: type[Policy]) -> type[Policy]:
+    """A class fit to register: it declares its own label (default, peer or experimental; a
+    subclass does not inherit its parent's) and its step work."""
+    label = cls.__dict__.get("label")
+    if not isinstance(label, PolicyLabel):
+        raise TypeError(
+            f"policy {cls.name!r} must declare its own label: default(temperature), "
+            "peer(follows) or EXPERIMENTAL (pipeline.decode.policies.labels)"
+        )
+    if cls.step_work is Policy.step_work:
+        raise TypeError(f"policy {cls.name!r} must declare step_work() (its work per step)")
+    return cls
+
+
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
+    cls.name: check_policy_class(cls)
     for cls in (
         AutoregressivePolicy,
         FixedPolicy,
@@ -54,13 +72,11 @@ POLICY_NAMES = tuple(POLICIES)  # the built-in ones; register_policy adds to POL
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
     """Add a policy class (a plugin, e.g. one a serving deployment imports through its
-    `policy_modules`) under its ``name``; it must declare its step work. Usable as a
-    decorator."""
+    `policy_modules`) under its ``name``; it must declare its label and its step work.
+    Usable as a decorator."""
     if cls.name in POLICIES and POLICIES[cls.name] is not cls:
         raise ValueError(f"a policy named {cls.name!r} is already registered")
-    if cls.step_work is Policy.step_work:
-        raise TypeError(f"policy {cls.name!r} must declare step_work() (its work per step)")
-    POLICIES[cls.name] = cls
+    POLICIES[cls.name] = check_policy_class(cls)
     return cls
 
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, draft_chain
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import peer
 from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates, StepOutcome
 
 
 class AutoregressivePolicy(Policy):
     name = "ar"
+    label = peer("none: plain autoregressive decoding, the baseline")
     summary = "no draft: plain autoregressive steps through the same engine"
 
     def propose(self, drafter: Drafter, committed: list[int]) -> Candidates:
@@ -33,6 +35,7 @@ class AutoregressivePolicy(Policy):
 class FixedPolicy(Policy):
     k: int = 4
     name = "fixed"
+    label = peer("fixed K: speculative decoding, Leviathan et al. 2023; Chen et al. 2023")
     summary = "a chain of k draft tokens"
     knobs = (step_knob("k", 4, "draft tokens per step"),)
 
@@ -50,6 +53,7 @@ class HeuristicPolicy(Policy):
     start_k: int = 5
     max_k: int = 20
     name = "heuristic"
+    label = peer("transformers' assisted generation, heuristic num_assistant_tokens schedule")
     summary = "transformers' schedule: k += 2 after a fully accepted chain, else k -= 1"
     knobs = (
         step_knob("start_k", 5, "k of a generation's first step"),
@@ -80,6 +84,9 @@ class ConfidencePolicy(Policy):
     threshold: float = 0.4
     max_k: int = 10
     name = "confidence"
+    label = peer(
+        "transformers' assistant_confidence_threshold, not adapted (after DISCO, Mamou et al. 2024)"
+    )
     summary = "extend the chain while the draft's confidence stays >= threshold"
     knobs = (
         Knob(

@@ -19,6 +19,7 @@ from pipeline.acceptance.model import AcceptanceModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy, require_acceptance
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import default
 from pipeline.decode.step_limits import StepWork, chain_work
 from pipeline.decode.types import Candidates
 
@@ -32,6 +33,7 @@ class SpecDecPolicy(Policy):
     threshold: float = 0.5
     max_k: int = 12
     name = "specdec"
+    label = default("T > 0", follows="SpecDec++, Huang et al. 2024")
     summary = "SpecDec++-style: stop once P(some drafted token is rejected) > threshold"
     needs_artifacts = True
     knobs = (

@@ -45,6 +45,7 @@ from pipeline.cost.model import CostModel
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import AcceptanceChainPolicy
 from pipeline.decode.policies.knobs import Knob, step_knob
+from pipeline.decode.policies.labels import default
 from pipeline.decode.policies.outcomes import OutcomeTracker
 from pipeline.decode.policies.plan_worth import plan_pays, plan_worth
 from pipeline.decode.policies.prices import PriceTables
@@ -70,6 +71,7 @@ class ThroughputPolicy(AcceptanceChainPolicy):
     adapt: float = 0.2
     retime: bool = False
     name = "throughput"
+    label = default("T = 0")
     summary = (
         "ours: draft while a token's expected value at the generation's own cost per "
         "token exceeds its modelled cost (acceptance learned offline)"

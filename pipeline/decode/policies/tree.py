@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pipeline.decode.drafter import Drafter
 from pipeline.decode.policies.base import Policy
 from pipeline.decode.policies.knobs import MAX_STEP_KNOB, Knob, step_knob
+from pipeline.decode.policies.labels import peer
 from pipeline.decode.policies.tree_builder import build_tree, select_prefix_closed
 from pipeline.decode.step_limits import StepWork, tree_work
 from pipeline.decode.types import Candidates
@@ -48,6 +49,7 @@ class TreePolicy(Policy):
     branch: int = 2
     gamma: int = 9  # 8 draft nodes + the root (depth 4, branch 2 grows 14)
     name = "tree"
+    label = peer("EAGLE-2's dynamic draft tree, Li et al. 2024")
     summary = "EAGLE-2 style dynamic tree: the gamma - 1 draft nodes of highest path probability"
     knobs = tree_knobs(4, 2, 9)
 

@@ -1,0 +1,124 @@
+"""Run a benchmark spec on vLLM (in the vLLM environment):
+
+    python -m pipeline.bench.vllm_run_cells --spec spec.json --out results.json
+
+The spec: {"model", "max_model_len", "repeats", "methods": [{"name", "speculative_config"
+(null: no speculation), "env", "engine_kwargs" (e.g. scheduler_cls), "proposer_stats" (each
+optional)}], "cells": [{"domain", "temperature", "concurrency", "prompts" (token ids),
+"max_tokens", "seed"}]}.
+
+Repeats are interleaved (for each repeat, every method: start an engine, run every cell, shut
+it down), the method order reversed on odd repeats so drift slows every method alike. The
+results file is rewritten after each (repeat, method), so a crash loses only the run in
+progress; a method whose engine fails is recorded with its error and not tried again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.bench.vllm_cells import DRAFTER_STATS_ENV, PLANNER_LOG_ENV, STATS_ENV, run_method
+
+
+def _write(path: Path, results: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results))
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _error(exc: BaseException) -> str:
+    """The exception and, for a failed engine start, the root cause vLLM wraps it around."""
+    causes = [exc]
+    while causes[-1].__cause__ is not None and len(causes) < 5:
+        causes.append(causes[-1].__cause__)
+    return " <- ".join(f"{type(e).__name__}: {e}" for e in causes)[:2000]
+
+
+def run_spec(spec: dict, out: Path, progress=print) -> dict:
+    methods, cells = spec["methods"], spec["cells"]
+    repeats = int(spec.get("repeats", 1))
+    results: dict = {
+        "model": spec["model"],
+        "repeats": repeats,
+        "methods": [m["name"] for m in methods],
+        "runs": [],
+    }
+    failed: dict[str, str] = {}
+    for rep in range(repeats):
+        order = methods if rep % 2 == 0 else methods[::-1]
+        for method in order:
+            name = method["name"]
+            run: dict = {"repeat": rep, "method": name, "error": None, "cells": []}
+            if name in failed:
+                run["error"] = f"not run: failed in an earlier repeat ({failed[name]})"
+                results["runs"].append(run)
+                continue
+            env = {k: str(v) for k, v in (method.get("env") or {}).items()}
+            slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+            if method.get("speculative_config"):
+                drafter = out.with_name(f"{out.stem}.{slug}.r{rep}.drafter")
+                drafter.unlink(missing_ok=True)
+                env[DRAFTER_STATS_ENV] = str(drafter.resolve())
+            if "scheduler_cls" in (method.get("engine_kwargs") or {}):
+                planner = out.with_name(f"{out.stem}.{slug}.r{rep}.planner")
+                planner.unlink(missing_ok=True)
+                env[PLANNER_LOG_ENV] = str(planner.resolve())
+            if method.get("proposer_stats"):
+                stats = out.with_name(f"{out.stem}.{slug}.r{rep}.stats")
+                stats.unlink(missing_ok=True)
+                env[STATS_ENV] = str(stats.resolve())
+            progress(f"repeat {rep + 1}/{repeats}  {name}: starting vLLM")
+            t0 = time.perf_counter()
+            try:
+                res = run_method(
+                    spec["model"],
+                    int(spec["max_model_len"]),
+                    method.get("speculative_config"),
+                    cells,
+                    env,
+                    progress,
+                    method.get("engine_kwargs"),
+                )
+                run.update(res)
+            except Exception as exc:  # a method that cannot run is a result, not the end
+                run["error"] = _error(exc)
+                failed[name] = run["error"][:300]
+                traceback.print_exc()
+                progress(f"repeat {rep + 1}/{repeats}  {name}: FAILED {run['error'][:300]}")
+            run["total_s"] = time.perf_counter() - t0
+            if PLANNER_LOG_ENV in env and Path(env[PLANNER_LOG_ENV]).exists():
+                run["planner"] = Path(env[PLANNER_LOG_ENV]).read_text().splitlines()[-1:]
+                for line in run["planner"]:
+                    progress(f"    {line}")
+            results["runs"].append(run)
+            _write(out, results)
+            progress(f"repeat {rep + 1}/{repeats}  {name}: done in {run['total_s']:.0f} s")
+    _write(out, results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.bench.vllm_run_cells",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--spec", required=True, type=Path, help="the spec JSON (see above)")
+    p.add_argument("--out", required=True, type=Path, help="the results JSON to write")
+    args = p.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = os.environ.get("SPECBOUND_PROGRESS_PREFIX", "")  # the caller's filter for its log
+    run_spec(spec, args.out, lambda line: print(prefix + line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine in new processes: the guard is required
+    sys.exit(main())
