@@ -1,8 +1,8 @@
 """Scenarios for tests/test_vllm_health.py, run in the vLLM environment on a 1-CPU Ray cluster
 of their own: python tests/vllm_health_scenarios.py OUT.json.
 
-1. vllm_serve_config.yaml with two engines (one too many for one CPU) deployed the way
-   `serve run CONFIG` deploys a config file: the controller calls the builder, which refuses.
+1. vllm_serve_config.yaml's args with two engines (one too many for one CPU) given to the app
+   builder (what `serve run CONFIG` has Serve's controller call): it refuses.
 2. The same two engines deployed anyway (the check switched off in this process): the ingress
    reports one model not placeable while the other starts and then runs, and a request for the
    unplaced one gets its 503 at once."""
@@ -41,42 +41,30 @@ def main(out: str) -> None:
     import httpx
     import ray
     from ray import serve
-    from ray.serve._private import api as private_api
-    from ray.serve.config import gRPCOptions
-    from ray.serve.schema import ServeDeploySchema
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     result: dict = {}
     ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
-        # 1. A config file, deployed as `serve run CONFIG` does (scripts.py: serve_start with
-        # the file's options, then deploy_apps): the builder runs in the cluster and refuses.
+        # 1. The builder (what `serve run CONFIG` has Serve's controller call, and retry
+        # three times before DEPLOY_FAILED) given the config file's args with two engines,
+        # on this cluster: it refuses with the shortfall.
+        from vllm_serving.app import build_app
+
         with open(os.path.join(ROOT, "vllm_serve_config.yaml")) as f:
             config = yaml.safe_load(f)
-        config["http_options"]["port"] = port
-        config["applications"][0]["args"]["models"] = TWO
-        schema = ServeDeploySchema.model_validate(config)
-        client = private_api.serve_start(
-            http_options=schema.http_options.model_dump(),
-            proxy_location=schema.proxy_location,
-            grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-        )
-        client.deploy_apps(schema, _blocking=False)
-
-        def failed():
-            status = serve.status().applications.get(APP)
-            if status is not None and status.status in ("DEPLOY_FAILED", "RUNNING"):
-                return {"status": str(status.status.value), "message": status.message}
-            return None
-
-        result["config_with_one_engine_too_many"] = wait("the config's build", failed, 300)
+        args = dict(config["applications"][0]["args"], models=TWO)
+        try:
+            build_app(args)
+            result["config_with_one_engine_too_many"] = "built"
+        except RuntimeError as exc:
+            result["config_with_one_engine_too_many"] = str(exc)
         print("refused:", result["config_with_one_engine_too_many"], flush=True)
-        serve.delete(APP)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
 
         # 2. The same two engines deployed anyway.
         import vllm_serving.placement as placement
-        from vllm_serving.app import build_app
 
         placement.cluster_capacity = lambda: None
         serve._run(
