@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.vllm_spec.online_step_cost import features
 from pipeline.vllm_spec.priors import Priors, load_priors, mode_of
-from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner, features
+from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner
 
 ROOT = Path(__file__).resolve().parents[1]
 UNION = (32, 4, 0.9787)  # E, top_k, r: the embedded target's calibration
@@ -31,6 +32,46 @@ def test_step_cost_fit_recovers_the_cost_it_is_timed_on(union) -> None:
     assert planner.theta == pytest.approx(truth, rel=0.1, abs=0.05)
     planner.observe_step(4, 1, 2, float("nan"))  # an untimed step changes nothing
     assert planner.steps == 3000
+
+
+def test_what_the_steps_do_not_measure_stays_at_the_prior() -> None:
+    """One request, k of 2..4 each step: the positions (1 + the last k), the union of their
+    experts and the intercept are nearly collinear, so the steps measure their sum, not each.
+    The fit keeps the prior's information (forgetting only the data's): the firm terms stay
+    at the prior, the intercept takes the shift, and the step time is right at every k,
+    those never run (0, 1) included. Forgetting the prior too let the collinear terms run
+    off on the noise (c0 29.6, c_union -6.0 on this data)."""
+    prior = (7.0, 0.1, 0.08, 1.0, 0.06)
+    truth = np.array(prior) + np.array([2.0, 0, 0, 0.5, 0])  # slower host, sampled drafts
+    for seed in range(3):
+        planner = StepPlanner(4, PlannerConfig(), Priors(cost=prior, union=UNION))
+        rng = np.random.default_rng(seed)
+        last = 2
+        for _ in range(3000):
+            k = int(rng.integers(2, 5))
+            positions, last = 1 + last, k
+            x = features(positions, k, 1, planner.union(positions))
+            planner.observe_step(positions, k, 1, float(x @ truth + rng.normal(0, 1.0)))
+        assert planner.theta[[2, 4]] == pytest.approx([prior[2], prior[4]], abs=0.01)
+        assert 8.0 < planner.theta[0] < 9.5
+        for k in range(5):
+            x = features(1 + k, k, 1, planner.union(1 + k))
+            assert planner.step_ms(1 + k, k, 1) == pytest.approx(x @ truth, abs=0.4)
+
+
+def test_a_step_that_prefills_is_counted_not_fitted() -> None:
+    """The model prices decode steps: a prompt's positions (cheap beside a verified position at
+    T > 0, whose rejection test samples over the vocabulary) would drag c_pos toward a
+    prefill's cost per token."""
+    planner = StepPlanner(4, PlannerConfig())
+    before = planner.theta.copy()
+    planner.observe_step(180, 2, 1, 40.0, tokens=1, decode=False)
+    assert np.array_equal(planner.theta, before)
+    assert (planner.steps, planner.prefill_steps) == (1, 1)
+    assert planner.tokens_per_ms == pytest.approx(0.1 / 40.0)  # the replica's output still
+    planner.observe_step(3, 2, 1, 12.0, tokens=3)
+    assert not np.array_equal(planner.theta, before)
+    assert "1 with a prefill, not fitted" in planner.report()
 
 
 def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
@@ -165,8 +206,8 @@ def test_a_drafter_no_calibration_measured_takes_its_targets_terms_only() -> Non
     assert load_priors(ROOT / "models" / "eagle3-head", "cpu", "other-target").cost is None
     firm = StepPlanner(4, PlannerConfig(), load_priors(ROOT / "models" / "draft", "cpu"))
     loose = StepPlanner(4, PlannerConfig(), head)
-    assert np.allclose(np.diag(loose.cov)[:3], np.diag(firm.cov)[:3])
-    assert np.all(np.diag(loose.cov)[3:] > 20 * np.diag(firm.cov)[3:])
+    assert np.allclose(np.diag(loose.cost.prior_info)[:3], np.diag(firm.cost.prior_info)[:3])
+    assert np.all(20 * np.diag(loose.cost.prior_info)[3:] < np.diag(firm.cost.prior_info)[3:])
 
 
 def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:

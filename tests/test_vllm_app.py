@@ -419,6 +419,51 @@ def test_openai_client(app):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def _spec(body: dict) -> dict:
+    return body["metrics"]["speculative_decoding"]
+
+
+@pytest.mark.slow
+def test_a_request_chooses_its_speculation_sees_what_it_did_and_its_seed_repeats(app):
+    """Each response says what speculation did for it (vLLM's metrics.speculative_decoding:
+    drafted and accepted tokens); a request asking for speculation off drafts nothing and keeps
+    the greedy text; identical seeded T = 1 requests return the same text (20 seeds x 64
+    tokens, sent concurrently: the rows share steps with other requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": "def add(a, b):\n", "max_tokens": 48, "temperature": 0}
+    with app.client() as client:
+        on = client.post("/v1/completions", json=body).json()
+        off = client.post(
+            "/v1/completions", json={**body, "vllm_xargs": {"speculation": "off"}}
+        ).json()
+    drafted = _spec(on)
+    assert drafted["num_draft_tokens"] > 0
+    assert 0 <= drafted["num_accepted_draft_tokens"] <= drafted["num_draft_tokens"]
+    assert drafted["mean_acceptance_length"] > 1.0
+    assert _spec(off)["num_draft_tokens"] == 0
+    assert off["choices"][0]["text"] == on["choices"][0]["text"]
+
+    def sampled(seed: int) -> str:
+        request = {**body, "temperature": 1.0, "seed": seed, "max_tokens": 64}
+        request["ignore_eos"] = True
+        with app.client() as client:
+            reply = client.post("/v1/completions", json=request)
+        assert reply.status_code == 200, reply.text
+        out = reply.json()
+        assert out["usage"]["completion_tokens"] == 64
+        # A seeded sampled request drafts nothing unless it asks ("speculation": "on"):
+        # vLLM's generator would be consumed by the draws of the step's proposals.
+        assert _spec(out)["num_draft_tokens"] == 0
+        return out["choices"][0]["text"]
+
+    seeds = [1000 + i for i in range(20)] * 2
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(sampled, seeds))
+    assert texts[:20] == texts[20:]
+    assert len(set(texts[:20])) == 20  # the seeds differ, and so do their texts
+
+
 @pytest.mark.slow
 def test_api_key(app):
     import openai

@@ -91,6 +91,9 @@ def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:
         }
         if spec is not None:
             engine["speculative_config"] = spec
+            # Each response says what speculation did for it: metrics.speculative_decoding
+            # (drafted and accepted tokens, accepted length; vLLM reports it when n = 1).
+            engine["per_request_spec_decode_metrics"] = "summary"
         engine |= extra
         configs.append(
             {

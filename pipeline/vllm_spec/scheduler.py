@@ -65,10 +65,17 @@ class CostAwareScheduler(Scheduler):
             self.dynamic_sd_lookup = [self.num_spec_tokens] * (
                 self.scheduler_config.max_num_seqs + 1
             )
-        self._step: tuple[float, int, int, int] | None = None  # started, P, k, B
+        # started, P, k, B, whether every row only decodes
+        self._step: tuple[float, int, int, int, bool] | None = None
+        self._done: tuple[float, int, int, int, bool, int] | None = None  # and tokens made
 
     def schedule(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
+        if self._done is not None:
+            # The last step, timed from its schedule to this one: its whole cycle in the
+            # engine's loop, vLLM's output processing and the drafted tokens' hand-over
+            # included (about a third of a step at one request on this CPU).
+            self._observe(started)
         planner = self.planner
         rows = len(self.running)
         for request in self.running:
@@ -93,15 +100,14 @@ class CostAwareScheduler(Scheduler):
             output.total_num_scheduled_tokens,
             output.num_spec_tokens_to_schedule,
             len(ids),
+            _decode_only(output),
         )
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         if self._step is not None and self._step[3] > 0:
-            started, positions, k, rows = self._step
-            ms = (time.perf_counter() - started) * 1e3
             made = sum(len(s) for s in model_runner_output.sampled_token_ids or [])
-            self.planner.observe_step(positions, k, rows, ms, made)
+            self._done = (*self._step, made)
         self._step = None
         sampled = model_runner_output.sampled_token_ids or []
         index = model_runner_output.req_id_to_index
@@ -115,7 +121,16 @@ class CostAwareScheduler(Scheduler):
             self.planner.forget_requests(set(self.requests))
         if self.planner.steps % REPORT_EVERY == 0 and self.planner.steps:
             self._report("")
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._done is not None and not self.has_requests():
+            # The engine waits for work now: the step ends here, not at the next schedule.
+            self._observe(time.perf_counter())
+        return outputs
+
+    def _observe(self, now: float) -> None:
+        started, positions, k, rows, decode, made = self._done
+        self._done = None
+        self.planner.observe_step(positions, k, rows, (now - started) * 1e3, made, decode)
 
     def shutdown(self) -> None:
         self._report(" at shutdown")
@@ -131,3 +146,12 @@ class CostAwareScheduler(Scheduler):
                     out.write(line + "\n")
             except OSError as exc:  # a report is never worth a failed step
                 log.warning("cost-aware scheduler: cannot write %s: %s", path, exc)
+
+
+def _decode_only(output: Any) -> bool:
+    """Whether every scheduled row verifies its drafts only (its one new token and its draft
+    tokens): no prompt or resumed request is (re)filled in the step."""
+    spec = output.scheduled_spec_decode_tokens
+    return not output.scheduled_new_reqs and all(
+        n == 1 + len(spec.get(req_id, ())) for req_id, n in output.num_scheduled_tokens.items()
+    )

@@ -10,14 +10,12 @@ is tested without vLLM).
   request starts from its mode's pooled rate, which starts from the offline acceptance model's
   mean for that mode. A row drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens.
 - **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + k (d0 + d_row B)``
-  ms, P the positions the target verifies (each row's token and its drafts), U(P) the expected
-  union of experts per MoE layer those positions load (the calibration's
-  ``E - (E - k) r^(P - 1)``; 0 without one), B rows, k draft rounds; fitted by recursive least
-  squares with forgetting over the steps the engine times, from the calibration's costs as the
-  prior; one step's residual is clipped (a slow first forward cannot poison the fit), and the
-  draft terms fade back to the prior over a stretch of steps that draft nothing. With the
-  plugin's drafter a step at k = 0 runs no draft forward, so idle steps measure the target's
-  terms and no step needs drafting at random (``explore``, default 0).
+  ms (pipeline.vllm_spec.online_step_cost), P verified positions, U(P) the expected union of
+  experts they load, B rows, k draft rounds; fitted over the decode steps the engine times (a
+  step that also prefills is not fitted; the scheduler times a step from its ``schedule()``
+  to the next), from the calibration's costs as a prior it never forgets. With the plugin's
+  drafter a step at k = 0 runs no draft forward, so idle steps measure the target's terms and
+  no step needs drafting at random (``explore``, default 0).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
 steady state where every step drafts k for every row. ``keep(row, n)`` is the marginal rule
@@ -32,11 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.vllm_spec.env_settings import fields_from_env
+from pipeline.vllm_spec.online_step_cost import DEFAULT_COST, OnlineStepCost
 from pipeline.vllm_spec.priors import MODES, Priors
 
 ENV = "SPECBOUND_SCHEDULER"
-DEFAULT_COST = (7.0, 0.1, 0.0, 1.0, 0.05)  # c0, c_pos, c_union, d0, d_row (ms)
-IDLE_STEPS = 32  # steps in a row without drafting before the draft terms fade to the prior
 
 
 @dataclass(frozen=True)
@@ -84,10 +81,6 @@ class PlannerConfig:
         return cls(**data)
 
 
-def features(positions: float, k: float, rows: float, union: float = 0.0) -> np.ndarray:
-    return np.array([1.0, positions, union, k, k * rows])
-
-
 class StepPlanner:
     def __init__(
         self, max_k: int, config: PlannerConfig | None = None, priors: Priors | None = None
@@ -96,21 +89,7 @@ class StepPlanner:
         self.config = c = config or PlannerConfig()
         priors = priors or Priors()
         use = c.offline_priors
-        calibrated = use and priors.cost is not None
-        self.theta = np.array(priors.cost if calibrated else c.prior_cost, dtype=float)
-        self.prior_theta = self.theta.copy()
-        self.idle = 0  # steps in a row that drafted nothing
-        # RLS inverse information. The union and per-row draft terms are collinear with the
-        # position and per-round terms over the steps one replica sees (U(P) is nearly linear
-        # in P over a few positions; k and k B are one column at one row), so the data would
-        # trade them off against each other: they keep their prior 100x more firmly.
-        base = 25.0 if calibrated else c.prior_precision
-        weight = np.array([base, base, 100.0 * base, base, 100.0 * base])
-        if calibrated and not priors.draft_cost_measured:  # another drafter's: a guess,
-            # with d_row still 100x firmer than d0 (at one row only their sum is measured)
-            weight[3:] = c.prior_precision * np.array([1.0, 100.0])
-        self.cov = np.diag(1.0 / weight)
-        self.union_model = priors.union if use else None
+        self.cost = OnlineStepCost(priors, use, c.prior_cost, c.prior_precision, c.forget)
         self.mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
         }
@@ -124,6 +103,7 @@ class StepPlanner:
         self.tokens_per_ms = 0.0  # recent output of the replica (EMA over steps)
         self.trimmed = 0  # drafted tokens left unverified (a report)
         self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
+        self.prefill_steps = 0  # steps that also prefilled, not fitted (a report)
 
     # -- acceptance ---------------------------------------------------------------------
 
@@ -184,45 +164,44 @@ class StepPlanner:
 
     # -- step cost ----------------------------------------------------------------------
 
+    @property
+    def theta(self) -> np.ndarray:  # the step-cost coefficients (c0, c_pos, c_union, d0, d_row)
+        return self.cost.theta
+
+    @theta.setter
+    def theta(self, value: np.ndarray) -> None:
+        self.cost.theta = np.asarray(value, dtype=float)
+
     def union(self, positions: float) -> float:
-        if self.union_model is None or positions <= 0:
-            return 0.0
-        experts, top_k, r = self.union_model
-        return experts - (experts - top_k) * r ** (positions - 1)
+        return self.cost.union(positions)
 
     def step_ms(self, positions: float, k: float, rows: float) -> float:
-        # The sum, not each term: terms collinear over the steps seen (P = 1 + k at one row)
-        # trade off in the fit, and only their sum is measured.
-        return float(features(positions, k, rows, self.union(positions)) @ self.theta)
+        return self.cost.step_ms(positions, k, rows)
 
     def observe_step(
-        self, positions: int, k: int, rows: int, ms: float, tokens: int | None = None
+        self,
+        positions: int,
+        k: int,
+        rows: int,
+        ms: float,
+        tokens: int | None = None,
+        decode: bool = True,
     ) -> None:
-        """Recursive least squares with forgetting (one timed engine step); ``tokens``: what
-        the step produced, for the replica's recent tokens per ms."""
+        """One timed engine step (pipeline.vllm_spec.online_step_cost); ``tokens``: what
+        the step produced, for the replica's recent tokens per ms. A step that also prefills
+        (``decode`` False) is not fitted: the model prices decode steps, whose positions are
+        verified ones (at T > 0 each costs the rejection test's sampling over the vocabulary);
+        a prompt's hundred positions priced the same would pull c_pos to a prefill's cost."""
         if not np.isfinite(ms) or ms <= 0:
             return
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
         self.fade_to_prior()
-        self.idle = self.idle + 1 if k == 0 else 0
-        if self.idle > IDLE_STEPS:
-            # The draft terms go unmeasured while nothing is drafted: after a stretch of idle
-            # steps they fade back to the prior, as acceptance does, so one bad estimate
-            # cannot stop drafting for good (in a mix of k the data keeps them).
-            r = self.config.revert
-            self.theta[3:] += r * (self.prior_theta[3:] - self.theta[3:])
-        x = features(positions, k, rows, self.union(positions))
-        lam = self.config.forget
-        px = self.cov @ x
-        gain = px / (lam + x @ px)
-        # Robust to the odd slow step (a first forward at a new shape, the host stalling):
-        # one step moves the fit by at most half its prediction plus a millisecond.
-        predicted = float(x @ self.theta)
-        bound = 0.5 * abs(predicted) + 1.0
-        self.theta = self.theta + gain * float(np.clip(ms - predicted, -bound, bound))
-        self.cov = (self.cov - np.outer(gain, px)) / lam
         self.steps += 1
+        if decode:
+            self.cost.fit(positions, k, rows, ms)
+        else:
+            self.prefill_steps += 1
 
     def keep(self, request_id: str, drafted: int, positions: int = 1) -> int:
         """How many of a row's ``drafted`` tokens to verify (the marginal rule), in a step of
@@ -236,8 +215,7 @@ class StepPlanner:
             return drafted
         a, kept = self.rate(request_id), 0
         while kept < drafted:
-            p = positions + kept
-            extra = self.theta[1] + self.theta[2] * (self.union(p + 1) - self.union(p))
+            extra = self.cost.position_ms(positions + kept)
             if a ** (kept + 1) < max(extra, 0.0) * self.tokens_per_ms:
                 break
             kept += 1
@@ -250,7 +228,8 @@ class StepPlanner:
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(self.chosen) if n)
         theta = ", ".join(f"{v:.3f}" for v in self.theta)
         return (
-            f"steps {self.steps}; k chosen {chosen or '-'}; pooled acceptance {rates}; "
+            f"steps {self.steps} ({self.prefill_steps} with a prefill, not fitted); "
+            f"k chosen {chosen or '-'}; pooled acceptance {rates}; "
             f"step ms = [c0, c_pos, c_union, d0, d_row] . [1, P, U(P), k, kB] with "
             f"[{theta}]; {self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
             f"left unverified; {self.held_off} row-steps held off by their request"

@@ -1,0 +1,88 @@
+"""The replica's step time as the cost-aware scheduler learns it online (numpy only: it runs
+in vLLM's engine process).
+
+``T = c0 + c_pos P + c_union U(P) + k (d0 + d_row B)`` ms: P the positions the target
+verifies (each row's token and its drafts), U(P) the expected union of experts per MoE layer
+those positions load (the calibration's ``E - (E - k) r^(P - 1)``; 0 without one), B rows,
+k draft rounds. Fitted by least squares over the decode steps the scheduler times, forgetting
+old steps but never the prior (the pair's calibration, pipeline.vllm_spec.priors): the fit
+weighs the prior's information against the last ~1 / (1 - forget) steps', so what those steps
+do not measure (the draft terms while nothing is drafted; the union, the positions and the
+intercept, nearly collinear at one request) stays at, or returns to, the prior instead of
+running off on the noise, as an inverse-covariance update with forgetting lets it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.vllm_spec.priors import Priors
+
+DEFAULT_COST = (7.0, 0.1, 0.0, 1.0, 0.05)  # c0, c_pos, c_union, d0, d_row (ms)
+
+
+def features(positions: float, k: float, rows: float, union: float = 0.0) -> np.ndarray:
+    return np.array([1.0, positions, union, k, k * rows])
+
+
+class OnlineStepCost:
+    def __init__(
+        self,
+        priors: Priors,
+        use_priors: bool = True,
+        prior_cost: tuple[float, ...] = DEFAULT_COST,
+        prior_precision: float = 1.0,
+        forget: float = 0.995,
+    ):
+        calibrated = use_priors and priors.cost is not None
+        self.theta = np.array(priors.cost if calibrated else prior_cost, dtype=float)
+        self.prior_theta = self.theta.copy()
+        self.forget = forget
+        # The prior's information (a diagonal precision). The union and per-row draft terms
+        # are collinear with the position and per-round terms over the steps one replica sees
+        # (U(P) is nearly linear in P over a few positions; k and k B are one column at one
+        # row), so the data would trade them off against each other: they keep their prior
+        # 100x more firmly. The intercept keeps a weak prior even from a calibration: the
+        # host's speed and the decoding mode move it most, and held firmly its shift would go
+        # into the position term (collinear with it at one row).
+        base = 25.0 if calibrated else prior_precision
+        weight = np.array([prior_precision, base, 100.0 * base, base, 100.0 * base])
+        if calibrated and not priors.draft_cost_measured:  # another drafter's: a guess,
+            # with d_row still 100x firmer than d0 (at one row only their sum is measured)
+            weight[3:] = prior_precision * np.array([1.0, 100.0])
+        self.prior_info = np.diag(weight)
+        self.info = self.prior_info.copy()
+        self.info_theta = self.prior_info @ self.theta
+        self.union_model = priors.union if use_priors else None
+
+    def union(self, positions: float) -> float:
+        if self.union_model is None or positions <= 0:
+            return 0.0
+        experts, top_k, r = self.union_model
+        return experts - (experts - top_k) * r ** (positions - 1)
+
+    def step_ms(self, positions: float, k: float, rows: float) -> float:
+        # The sum, not each term: terms collinear over the steps seen (P = 1 + k at one row)
+        # trade off in the fit, and only their sum is measured.
+        return float(features(positions, k, rows, self.union(positions)) @ self.theta)
+
+    def position_ms(self, positions: float) -> float:
+        """What one more verified position costs in a step of ``positions``: its own work and
+        the experts it adds to the step's union."""
+        extra = self.union(positions + 1) - self.union(positions)
+        return float(self.theta[1] + self.theta[2] * extra)
+
+    def fit(self, positions: int, k: int, rows: int, ms: float) -> None:
+        """One timed decode step."""
+        x = features(positions, k, rows, self.union(positions))
+        # Robust to the odd slow step (a first forward at a new shape, the host stalling):
+        # one step moves the fit by at most half its prediction plus a millisecond.
+        predicted = float(x @ self.theta)
+        bound = 0.5 * abs(predicted) + 1.0
+        y = predicted + float(np.clip(ms - predicted, -bound, bound))
+        lam, held = self.forget, 1.0 - self.forget
+        self.info = lam * self.info + np.outer(x, x) + held * self.prior_info
+        self.info_theta = (
+            lam * self.info_theta + x * y + held * (self.prior_info @ self.prior_theta)
+        )
+        self.theta = np.linalg.solve(self.info, self.info_theta)
