@@ -73,8 +73,8 @@ class CostAwareScheduler(Scheduler):
         started = time.perf_counter()
         if self._done is not None:
             # The last step, timed from its schedule to this one: its whole cycle in the
-            # engine's loop, vLLM's output processing and the drafted tokens' hand-over
-            # included (about a third of a step at one request on this CPU).
+            # engine's loop, vLLM's own update_from_output and the drafted tokens'
+            # hand-over included, which a window ending at update_from_output misses.
             self._observe(started)
         planner = self.planner
         rows = len(self.running)
