@@ -334,3 +334,17 @@ def test_bad_request_args_name_their_field(extra, param) -> None:
     problems = check_request_args(extra, 4)
     assert [p for p, _ in problems] == [param]
     assert check_request_args({"speculation": "off", "max_draft_tokens": 4, "x": 1}, 4) == []
+
+
+def test_the_report_gives_the_runs_acceptance_beside_the_recent_estimate() -> None:
+    """The estimates follow recent chains (at an engine's end, its last requests); the run's
+    accepted / drafted is what vLLM's own counters give, so the two can be compared."""
+    planner = StepPlanner(4, PlannerConfig(revert=0.0))
+    for _ in range(200):
+        planner.observe_chain("easy", 4, 4)
+    for _ in range(200):
+        planner.observe_chain("hard", 4, 0)
+    report = planner.report()
+    assert "accepted / drafted over the run greedy 0.500" in report  # 800 of 1600
+    recent = planner.pooled["greedy"][0] / planner.pooled["greedy"][1]
+    assert recent < 0.1 and f"greedy {recent:.3f}" in report  # the last chains: hard

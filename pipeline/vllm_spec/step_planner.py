@@ -3,12 +3,9 @@ starts from what the project measured offline for the pair (pipeline.vllm_spec.p
 refined online on the replica that runs it (numpy only: it runs in vLLM's engine process and
 is tested without vLLM).
 
-- **Acceptance**, per request and decoding mode (greedy, sampled: a row is priced at its own
-  temperature): a drafted chain of k tokens is accepted up to its first rejection, so each
-  judged chain gives ``accepted`` successes and (when ``accepted < k``) one failure of a
-  per-token acceptance rate ``a``; the estimate is the decayed ratio with a prior. A new
-  request starts from its mode's pooled rate, which starts from the offline acceptance model's
-  mean for that mode. A row drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens.
+- **Acceptance**, per request and decoding mode (a row is priced at its own temperature), a
+  per-token rate ``a`` from the chains vLLM verifies (pipeline.vllm_spec.row_acceptance); a
+  row drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens.
 - **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + k (d0 + d_row B)``
   ms (pipeline.vllm_spec.online_step_cost), P verified positions, U(P) the expected union of
   experts they load, B rows, k draft rounds; fitted over the decode steps the engine times (a
@@ -32,6 +29,7 @@ import numpy as np
 from pipeline.vllm_spec.env_settings import fields_from_env
 from pipeline.vllm_spec.online_step_cost import DEFAULT_COST, OnlineStepCost
 from pipeline.vllm_spec.priors import MODES, Priors
+from pipeline.vllm_spec.row_acceptance import RowAcceptance
 
 ENV = "SPECBOUND_SCHEDULER"
 
@@ -90,14 +88,12 @@ class StepPlanner:
         priors = priors or Priors()
         use = c.offline_priors
         self.cost = OnlineStepCost(priors, use, c.prior_cost, c.prior_precision, c.forget)
-        self.mode_rates = {
+        mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
         }
+        self.acceptance = RowAcceptance(mode_rates, c.prior_weight, c.decay, c.revert)
         self.rng = np.random.default_rng(c.seed)
-        self.requests: dict[str, list[float]] = {}  # id -> [accepted, trials]
-        self.modes: dict[str, str] = {}  # id -> greedy | sampled
         self.caps: dict[str, int] = {}  # id -> most draft tokens its row may verify
-        self.pooled = {m: [r * c.prior_weight, c.prior_weight] for m, r in self.mode_rates.items()}
         self.steps = 0
         self.chosen = np.zeros(max_k + 1, dtype=np.int64)  # steps per k (a report)
         self.tokens_per_ms = 0.0  # recent output of the replica (EMA over steps)
@@ -105,10 +101,29 @@ class StepPlanner:
         self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
         self.prefill_steps = 0  # steps that also prefilled, not fitted (a report)
 
-    # -- acceptance ---------------------------------------------------------------------
+    # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
+
+    @property
+    def modes(self) -> dict[str, str]:
+        return self.acceptance.modes
+
+    @property
+    def requests(self) -> dict[str, list[float]]:
+        return self.acceptance.requests
+
+    @property
+    def pooled(self) -> dict[str, list[float]]:
+        return self.acceptance.pooled
 
     def set_mode(self, request_id: str, mode: str) -> None:
-        self.modes[request_id] = mode
+        self.acceptance.set_mode(request_id, mode)
+
+    def rate(self, request_id: str) -> float:
+        return self.acceptance.rate(request_id)
+
+    def observe_chain(self, request_id: str, drafted: int, accepted: int) -> None:
+        """One judged chain: ``accepted`` of ``drafted`` tokens kept (a prefix)."""
+        self.acceptance.observe_chain(request_id, drafted, accepted)
 
     def set_cap(self, request_id: str, cap: int) -> None:
         """The request's own bound on its row's draft tokens (pipeline.vllm_spec.request_args)."""
@@ -117,48 +132,8 @@ class StepPlanner:
     def cap(self, request_id: str) -> int:
         return self.caps.get(request_id, self.max_k)
 
-    def _mode(self, request_id: str) -> str:
-        return self.modes.get(request_id, "greedy")
-
-    def rate(self, request_id: str) -> float:
-        acc, trials = self.requests.get(request_id, self.pooled[self._mode(request_id)])
-        if trials <= 0:
-            return self.mode_rates[self._mode(request_id)]
-        return float(np.clip(acc / trials, 0.0, 0.995))
-
-    def observe_chain(self, request_id: str, drafted: int, accepted: int) -> None:
-        """One judged chain: ``accepted`` of ``drafted`` tokens kept (a prefix)."""
-        if drafted <= 0:
-            return
-        accepted = min(max(accepted, 0), drafted)
-        trials = accepted + (1 if accepted < drafted else 0)
-        c = self.config
-        pooled = self.pooled[self._mode(request_id)]
-        if request_id not in self.requests:
-            rate = pooled[0] / pooled[1]
-            self.requests[request_id] = [rate * c.prior_weight, c.prior_weight]
-        for counts in (self.requests[request_id], pooled):
-            counts[0] = c.decay * counts[0] + accepted
-            counts[1] = c.decay * counts[1] + trials
-
-    def fade_to_prior(self) -> None:
-        """One step's ``revert`` of every acceptance estimate toward its prior."""
-        r, w = self.config.revert, self.config.prior_weight
-        if r <= 0:
-            return
-        for mode, counts in self.pooled.items():
-            counts[0] += r * (self.mode_rates[mode] * w - counts[0])
-            counts[1] += r * (w - counts[1])
-        for request_id, counts in self.requests.items():
-            pooled = self.pooled[self._mode(request_id)]
-            counts[0] += r * (pooled[0] / pooled[1] * w - counts[0])
-            counts[1] += r * (w - counts[1])
-
     def forget_requests(self, alive: set[str]) -> None:
-        for gone in set(self.requests) - alive:
-            del self.requests[gone]
-        for gone in set(self.modes) - alive:
-            del self.modes[gone]
+        self.acceptance.forget(alive)
         for gone in set(self.caps) - alive:
             del self.caps[gone]
 
@@ -196,7 +171,7 @@ class StepPlanner:
             return
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
-        self.fade_to_prior()
+        self.acceptance.fade_to_prior()
         self.steps += 1
         if decode:
             self.cost.fit(positions, k, rows, ms)
@@ -224,12 +199,11 @@ class StepPlanner:
 
     def report(self) -> str:
         """One line of the planner's state: what it chose, believes and measured."""
-        rates = ", ".join(f"{m} {a / t:.3f}" for m, (a, t) in self.pooled.items() if t > 0)
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(self.chosen) if n)
         theta = ", ".join(f"{v:.3f}" for v in self.theta)
         return (
             f"steps {self.steps} ({self.prefill_steps} with a prefill, not fitted); "
-            f"k chosen {chosen or '-'}; pooled acceptance {rates}; "
+            f"k chosen {chosen or '-'}; {self.acceptance.report()}; "
             f"step ms = [c0, c_pos, c_union, d0, d_row] . [1, P, U(P), k, kB] with "
             f"[{theta}]; {self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
             f"left unverified; {self.held_off} row-steps held off by their request"

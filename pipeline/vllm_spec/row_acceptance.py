@@ -1,0 +1,91 @@
+"""Each request's per-token acceptance rate as the cost-aware scheduler estimates it from the
+chains vLLM verifies (numpy-free: it runs in vLLM's engine process).
+
+A drafted chain of k tokens is accepted up to its first rejection, so each judged chain gives
+``accepted`` successes and (when ``accepted < k``) one failure of a per-token rate ``a``; the
+estimate is the decayed ratio with a prior, per request and per decoding mode (greedy,
+sampled: a row is priced at its own temperature). A new request starts from its mode's pooled
+rate, which starts from the offline acceptance model's mean for that mode
+(pipeline.vllm_spec.priors). The estimates follow recent chains (``decay`` per chain); the
+run's undecayed totals are kept beside them, to compare with vLLM's own counters.
+"""
+
+from __future__ import annotations
+
+
+class RowAcceptance:
+    def __init__(
+        self,
+        mode_rates: dict[str, float],
+        prior_weight: float = 4.0,
+        decay: float = 0.98,
+        revert: float = 0.01,
+    ):
+        self.mode_rates = dict(mode_rates)
+        self.prior_weight = prior_weight  # judged tokens the prior is worth
+        self.decay = decay  # per judged chain
+        # Per step, the share by which evidence fades back to the prior: a replica that
+        # stopped drafting on bad luck measures no acceptance, and would never draft again.
+        self.revert = revert
+        w = prior_weight
+        self.requests: dict[str, list[float]] = {}  # id -> [accepted, trials]
+        self.modes: dict[str, str] = {}  # id -> greedy | sampled
+        self.pooled = {m: [r * w, w] for m, r in self.mode_rates.items()}
+        self.judged = {m: [0, 0] for m in self.mode_rates}  # the run's accepted, drafted
+
+    def set_mode(self, request_id: str, mode: str) -> None:
+        self.modes[request_id] = mode
+
+    def mode(self, request_id: str) -> str:
+        return self.modes.get(request_id, "greedy")
+
+    def rate(self, request_id: str) -> float:
+        mode = self.mode(request_id)
+        acc, trials = self.requests.get(request_id, self.pooled[mode])
+        if trials <= 0:
+            return self.mode_rates[mode]
+        return min(max(acc / trials, 0.0), 0.995)
+
+    def observe_chain(self, request_id: str, drafted: int, accepted: int) -> None:
+        """One judged chain: ``accepted`` of ``drafted`` tokens kept (a prefix)."""
+        if drafted <= 0:
+            return
+        accepted = min(max(accepted, 0), drafted)
+        trials = accepted + (1 if accepted < drafted else 0)
+        mode = self.mode(request_id)
+        self.judged[mode][0] += accepted
+        self.judged[mode][1] += drafted
+        pooled = self.pooled[mode]
+        if request_id not in self.requests:
+            rate = pooled[0] / pooled[1]
+            self.requests[request_id] = [rate * self.prior_weight, self.prior_weight]
+        for counts in (self.requests[request_id], pooled):
+            counts[0] = self.decay * counts[0] + accepted
+            counts[1] = self.decay * counts[1] + trials
+
+    def fade_to_prior(self) -> None:
+        """One step's ``revert`` of every estimate toward its prior."""
+        r, w = self.revert, self.prior_weight
+        if r <= 0:
+            return
+        for mode, counts in self.pooled.items():
+            counts[0] += r * (self.mode_rates[mode] * w - counts[0])
+            counts[1] += r * (w - counts[1])
+        for request_id, counts in self.requests.items():
+            pooled = self.pooled[self.mode(request_id)]
+            counts[0] += r * (pooled[0] / pooled[1] * w - counts[0])
+            counts[1] += r * (w - counts[1])
+
+    def forget(self, alive: set[str]) -> None:
+        for gone in set(self.requests) - alive:
+            del self.requests[gone]
+        for gone in set(self.modes) - alive:
+            del self.modes[gone]
+
+    def report(self) -> str:
+        recent = ", ".join(f"{m} {a / t:.3f}" for m, (a, t) in self.pooled.items() if t > 0)
+        run = ", ".join(f"{m} {a / d:.3f}" for m, (a, d) in self.judged.items() if d > 0)
+        return (
+            f"pooled acceptance (recent chains) {recent}; accepted / drafted over the run "
+            f"{run or '-'}"
+        )
