@@ -20,7 +20,7 @@ UNION = (32, 4, 0.9787)  # E, top_k, r: the embedded target's calibration
 
 @pytest.mark.parametrize("union", [None, UNION])
 def test_step_cost_fit_recovers_the_cost_it_is_timed_on(union) -> None:
-    truth = np.array([5.0, 0.2, 0.0 if union is None else 0.3, 1.5, 0.08])
+    truth = np.array([5.0, 0.2, 0.0 if union is None else 0.3, 0.3, 1.5, 0.08, 0.8, 0.1])
     planner = StepPlanner(4, PlannerConfig(forget=1.0), Priors(union=union))
     rng = np.random.default_rng(0)
     for _ in range(3000):
@@ -41,8 +41,8 @@ def test_what_the_steps_do_not_measure_stays_at_the_prior() -> None:
     at the prior, the intercept takes the shift, and the step time is right at every k,
     those never run (0, 1) included. Forgetting the prior too let the collinear terms run
     off on the noise (c0 29.6, c_union -6.0 on this data)."""
-    prior = (7.0, 0.1, 0.08, 1.0, 0.06)
-    truth = np.array(prior) + np.array([2.0, 0, 0, 0.5, 0])  # slower host, sampled drafts
+    prior = (7.0, 0.1, 0.08, 0.0, 1.0, 0.06, 0.2, 0.1)
+    truth = np.array(prior) + np.array([2.0, 0, 0, 0, 0.5, 0, 0, 0])  # slower host, sampled drafts
     for seed in range(3):
         planner = StepPlanner(4, PlannerConfig(), Priors(cost=prior, union=UNION))
         rng = np.random.default_rng(seed)
@@ -52,7 +52,7 @@ def test_what_the_steps_do_not_measure_stays_at_the_prior() -> None:
             positions, last = 1 + last, k
             x = features(positions, k, 1, planner.union(positions))
             planner.observe_step(positions, k, 1, float(x @ truth + rng.normal(0, 1.0)))
-        assert planner.theta[[2, 4]] == pytest.approx([prior[2], prior[4]], abs=0.01)
+        assert planner.theta[[2, 5, 7]] == pytest.approx([prior[2], prior[5], prior[7]], abs=0.01)
         assert 8.0 < planner.theta[0] < 9.5
         for k in range(5):
             x = features(1 + k, k, 1, planner.union(1 + k))
@@ -92,7 +92,7 @@ def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
 
 def test_choice_is_the_best_k_of_the_model() -> None:
     planner = StepPlanner(6, PlannerConfig(explore=0.0))
-    planner.theta = np.array([7.0, 0.1, 0.0, 1.0, 0.05])
+    planner.theta = np.array([7.0, 0.1, 0.0, 0.0, 1.0, 0.05, 0.0, 0.0])
     for rid, accepted in (("a", 3), ("b", 1), ("c", 4)):
         planner.observe_chain(rid, 4, accepted)
     ids = ["a", "b", "c"]
@@ -108,7 +108,7 @@ def test_choice_is_the_best_k_of_the_model() -> None:
 @pytest.mark.parametrize(("rate", "d0", "want"), [(0.95, 0.1, 6), (0.05, 5.0, 0)])
 def test_choice_drafts_long_when_cheap_and_likely_and_never_when_not(rate, d0, want) -> None:
     planner = StepPlanner(6, PlannerConfig(explore=0.0, prior_rate=rate, prior_weight=1e6))
-    planner.theta = np.array([7.0, 0.05, 0.0, d0, 0.01])
+    planner.theta = np.array([7.0, 0.05, 0.0, 0.0, d0, 0.01, 0.0, 0.0])
     assert planner.choose(["x", "y"]) == want
 
 
@@ -140,7 +140,7 @@ def test_settings_are_refused_with_their_reason(text, message) -> None:
 
 def test_marginal_rule_verifies_a_chain_only_as_far_as_it_pays() -> None:
     planner = StepPlanner(4, PlannerConfig(prior_rate=0.6, prior_weight=1e6))
-    planner.theta = np.array([7.0, 0.1, 0.0, 1.0, 0.05])
+    planner.theta = np.array([7.0, 0.1, 0.0, 0.0, 1.0, 0.05, 0.0, 0.0])
     assert planner.keep("r", 4) == 4  # no output measured yet: nothing to price with
     planner.tokens_per_ms = 2.0  # a position costs 0.1 ms x 2 tokens/ms = 0.2 tokens
     # 0.6, 0.36, 0.216 >= 0.2 > 0.13: three of four kept.
@@ -153,7 +153,7 @@ def test_a_verified_position_is_priced_with_the_experts_it_adds() -> None:
     """With the union term, one more position costs c_pos plus c_union times the experts it
     brings that the step's other positions do not: more in a small step than in a big one."""
     planner = StepPlanner(4, PlannerConfig(prior_rate=0.5, prior_weight=1e6), Priors(union=UNION))
-    planner.theta = np.array([7.0, 0.02, 0.5, 1.0, 0.05])
+    planner.theta = np.array([7.0, 0.02, 0.5, 0.0, 1.0, 0.05, 0.0, 0.0])
     planner.tokens_per_ms = 1.0
     small = planner.keep("r", 4, positions=1)
     big = planner.keep("r", 4, positions=200)
@@ -180,7 +180,9 @@ def test_offline_priors_are_the_pairs_acceptance_model_and_calibration(tmp_path)
     assert priors.rates["greedy"] == acceptance["modes"]["greedy"]["prior"]
     assert priors.rates["sampled"] == acceptance["modes"]["sampled"]["prior"]
     cost = json.loads((ROOT / "models" / "vllm_costmodel.json").read_text())["cost"]
-    assert priors.cost == (cost["b0"], cost["b_pos"], cost["b_union"], cost["d0"], cost["d_tok"])
+    names = ("b0", "b_pos", "b_union", "d0", "d_tok", "s0", "s_row")
+    b0, b_pos, b_union, d0, d_tok, s0, s_row = (cost[n] for n in names)
+    assert priors.cost == (b0, b_pos, b_union, 0.0, d0, d_tok, s0, s_row)  # no row term measured
     assert priors.union == (cost["experts"], cost["top_k"], cost["union_decay"])
     assert load_priors(ROOT / "models" / "draft", "cuda").cost is None  # another device
     # The 2-layer draft has its own acceptance model beside it and no vLLM calibration.
@@ -206,8 +208,8 @@ def test_a_drafter_no_calibration_measured_takes_its_targets_terms_only() -> Non
     assert load_priors(ROOT / "models" / "eagle3-head", "cpu", "other-target").cost is None
     firm = StepPlanner(4, PlannerConfig(), load_priors(ROOT / "models" / "draft", "cpu"))
     loose = StepPlanner(4, PlannerConfig(), head)
-    assert np.allclose(np.diag(loose.cost.prior_info)[:3], np.diag(firm.cost.prior_info)[:3])
-    assert np.all(20 * np.diag(loose.cost.prior_info)[3:] < np.diag(firm.cost.prior_info)[3:])
+    assert np.allclose(np.diag(loose.cost.prior_info)[:4], np.diag(firm.cost.prior_info)[:4])
+    assert np.all(20 * np.diag(loose.cost.prior_info)[4:] < np.diag(firm.cost.prior_info)[4:])
 
 
 def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
@@ -261,7 +263,7 @@ def test_one_slow_step_cannot_stop_drafting_and_idle_steps_bring_it_back() -> No
     planner.observe_step(7, 6, 1, 500.0)  # the head's first forward
     assert planner.step_ms(7, 6, 1) <= before + 0.5 * before + 1.0 + 1e-9
     assert planner.choose(rows) > 0
-    planner.theta[3] = 50.0  # a draft round believed to cost 50 ms: never worth it
+    planner.theta[4] = 50.0  # a draft round believed to cost 50 ms: never worth it
     assert planner.choose(rows) == 0
     for _ in range(300):
         planner.observe_step(1, 0, 1, planner.step_ms(1, 0, 1))  # idle steps, as priced
@@ -270,7 +272,8 @@ def test_one_slow_step_cannot_stop_drafting_and_idle_steps_bring_it_back() -> No
 
 def test_a_request_caps_its_row_and_a_batch_of_capped_rows_drafts_nothing() -> None:
     planner = StepPlanner(4, PlannerConfig(trim=False), Priors(rates={"greedy": 0.95}))
-    planner.theta = np.array([5.0, 0.05, 0.0, 0.2, 0.01])  # drafting is cheap: k = 4 pays
+    # drafting is cheap: k = 4 pays
+    planner.theta = np.array([5.0, 0.05, 0.0, 0.0, 0.2, 0.01, 0.0, 0.0])
     planner.tokens_per_ms = 0.1
     assert planner.choose(["a", "b"]) == 4
     planner.set_cap("a", 0)
@@ -348,3 +351,45 @@ def test_the_report_gives_the_runs_acceptance_beside_the_recent_estimate() -> No
     assert "accepted / drafted over the run greedy 0.500" in report  # 800 of 1600
     recent = planner.pooled["greedy"][0] / planner.pooled["greedy"][1]
     assert recent < 0.1 and f"greedy {recent:.3f}" in report  # the last chains: hard
+
+
+def test_two_steps_in_every_measure_off_every_draft_nothing_and_measure_drafting() -> None:
+    """Steps that all draft cannot tell what drafting at all adds to a step (s0 + s_row B)
+    from the intercept and the row term; two steps at k = 0 now and then (free with the
+    plugin) measure it. Here drafting at all costs 14 ms at 8 rows, which the prior puts at
+    1: the planner learns it and stops drafting, where rounds alone would pay."""
+    truth = np.array([6.0, 0.02, 0.0, 0.3, 0.5, 0.02, 2.0, 1.5])
+    prior = truth.copy()
+    prior[[6, 7]] = [0.2, 0.1]
+    planner = StepPlanner(4, PlannerConfig(measure_off_every=16), Priors(rates={"greedy": 0.7}))
+    planner.theta = prior
+    planner.cost.prior_theta = prior.copy()
+    planner.cost.info_theta = planner.cost.prior_info @ prior
+    rows = [f"r{i}" for i in range(8)]
+    assert planner.choose(rows) > 0  # priced with the prior: drafting pays
+    chosen, last = [], 0
+    for _ in range(400):
+        k = planner.choose(rows)
+        chosen.append(k)
+        positions = 8 * (1 + last)
+        x = features(positions, k, 8, 0.0)
+        planner.observe_step(positions, k, 8, float(x @ truth))
+        last = k
+    assert chosen[14:16] == [0, 0] and planner.measured_off >= 2  # choices 16 and 17
+    drafting = planner.step_ms(40, 4, 8) - planner.step_ms(8, 0, 8)
+    want = (features(40, 4, 8) - features(8, 0, 8)) @ truth
+    # learnt from the prior's 1 ms (once it stops drafting, nothing tells the rounds' terms
+    # from the drafting terms: a k it no longer runs may be priced above what it costs)
+    assert 0.9 * want < drafting < 1.5 * want
+    assert planner.step_ms(8, 0, 8) == pytest.approx(features(8, 0, 8) @ truth, rel=0.05)
+    assert all(k == 0 for k in chosen[-50:])
+    assert "steps held at 0 to measure drafting" in planner.report()
+
+
+def test_the_row_and_drafting_terms_can_be_held_at_zero() -> None:
+    held = StepPlanner(4, PlannerConfig(row_terms=False, measure_off_every=0))
+    assert held.theta[[3, 6, 7]].tolist() == [0.0, 0.0, 0.0]
+    for rows, k in ((1, 0), (8, 2), (4, 4)) * 50:
+        held.observe_step(rows * (1 + k), k, rows, 20.0)
+    assert held.theta[[3, 6, 7]] == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+    assert held.measured_off == 0

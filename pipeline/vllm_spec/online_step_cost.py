@@ -1,13 +1,22 @@
 """The replica's step time as the cost-aware scheduler learns it online (numpy only: it runs
 in vLLM's engine process).
 
-``T = c0 + c_pos P + c_union U(P) + k (d0 + d_row B)`` ms: P the positions the target
-verifies (each row's token and its drafts), U(P) the expected union of experts per MoE layer
-those positions load (the calibration's ``E - (E - k) r^(P - 1)``; 0 without one), B rows,
-k draft rounds. Fitted by least squares over the decode steps the scheduler times, forgetting
-old steps but never the prior (the pair's calibration, pipeline.vllm_spec.priors): the fit
-weighs the prior's information against the last ~1 / (1 - forget) steps', so what those steps
-do not measure (the draft terms while nothing is drafted; the union, the positions and the
+``T = c0 + c_pos P + c_union U(P) + c_row B + k (d0 + d_row B) + [k > 0] (s0 + s_row B)``
+ms: P the positions the target verifies (each row's token and its drafts), U(P) the expected
+union of experts per MoE layer those positions load (the calibration's
+``E - (E - k) r^(P - 1)``; 0 without one), B rows, k draft rounds. ``c_row`` is what every row
+costs a step whatever it verifies (its sampling, its output, the runner's per-request
+bookkeeping); ``s0 + s_row B`` what drafting at all adds to a step (the draft's first pass over
+each row's new tokens, the drafted tokens' hand-over), which a step at k = 0 does not pay
+with the project's plugin. Without the row term, per-row work went into the position term (a
+served engine's fit: c_pos 0.31-0.58 ms where the calibration measured 0.085), which then
+prices a draft token at 8 rows above what it costs; the drafting terms are told from the
+intercept and the row term only by steps that draft nothing (docs/serving_vllm.md).
+
+Fitted by least squares over the decode steps the scheduler times, forgetting old steps but
+never the prior (the pair's calibration, pipeline.vllm_spec.priors): the fit weighs the
+prior's information against the last ~1 / (1 - forget) steps', so what those steps do not
+measure (the draft terms while nothing is drafted; the union, the positions and the
 intercept, nearly collinear at one request) stays at, or returns to, the prior instead of
 running off on the noise, as an inverse-covariance update with forgetting lets it.
 """
@@ -18,11 +27,15 @@ import numpy as np
 
 from pipeline.vllm_spec.priors import Priors
 
-DEFAULT_COST = (7.0, 0.1, 0.0, 1.0, 0.05)  # c0, c_pos, c_union, d0, d_row (ms)
+TERMS = ("c0", "c_pos", "c_union", "c_row", "d0", "d_row", "s0", "s_row")
+DEFAULT_COST = (7.0, 0.1, 0.0, 0.0, 1.0, 0.05, 0.5, 0.05)  # ms, in TERMS' order
 
 
 def features(positions: float, k: float, rows: float, union: float = 0.0) -> np.ndarray:
-    return np.array([1.0, positions, union, k, k * rows])
+    drafting = 1.0 if k > 0 else 0.0
+    return np.array(
+        [1.0, positions, union, rows, k, k * rows, drafting, drafting * rows], dtype=float
+    )
 
 
 class OnlineStepCost:
@@ -33,6 +46,7 @@ class OnlineStepCost:
         prior_cost: tuple[float, ...] = DEFAULT_COST,
         prior_precision: float = 1.0,
         forget: float = 0.995,
+        row_terms: bool = True,
     ):
         calibrated = use_priors and priors.cost is not None
         self.theta = np.array(priors.cost if calibrated else prior_cost, dtype=float)
@@ -41,19 +55,29 @@ class OnlineStepCost:
         # The prior's information (a diagonal precision). The union and per-row draft terms
         # are collinear with the position and per-round terms over the steps one replica sees
         # (U(P) is nearly linear in P over a few positions; k and k B are one column at one
-        # row), so the data would trade them off against each other: they keep their prior
-        # 100x more firmly. The intercept keeps a weak prior even from a calibration: the
-        # host's speed and the decoding mode move it most, and held firmly its shift would go
-        # into the position term (collinear with it at one row).
+        # row; s_row B is c_row B while every step drafts), so the data would trade them off
+        # against each other: they keep their prior 100x more firmly. The intercept keeps a
+        # weak prior even from a calibration: the host's speed and the decoding mode move it
+        # most, and held firmly its shift would go into the position term or the row term
+        # (collinear with it at one row). The row term (0 a priori: no calibration measures
+        # it) is measured where the batch size varies.
         base = 25.0 if calibrated else prior_precision
-        weight = np.array([prior_precision, base, 100.0 * base, base, 100.0 * base])
+        p, hard = prior_precision, 100.0 * base
+        weight = np.array([p, base, hard, base, base, hard, base, hard])
         if calibrated and not priors.draft_cost_measured:  # another drafter's: a guess,
-            # with d_row still 100x firmer than d0 (at one row only their sum is measured)
-            weight[3:] = prior_precision * np.array([1.0, 100.0])
+            # with the per-row terms still 100x firmer (at one row only sums are measured)
+            weight[4:] = p * np.array([1.0, 100.0, 1.0, 100.0])
+        if not row_terms:  # the form before the row and drafting terms: held at 0
+            self.theta[[3, 6, 7]] = 0.0
+            self.prior_theta = self.theta.copy()
+            weight[[3, 6, 7]] = 1e12
         self.prior_info = np.diag(weight)
         self.info = self.prior_info.copy()
         self.info_theta = self.prior_info @ self.theta
         self.union_model = priors.union if use_priors else None
+        # (rows, k) -> [steps, measured ms, modelled ms before each step's update]: where the
+        # model errs (a report; nothing is priced from it)
+        self.cells: dict[tuple[int, int], list[float]] = {}
 
     def union(self, positions: float) -> float:
         if self.union_model is None or positions <= 0:
@@ -78,6 +102,10 @@ class OnlineStepCost:
         # Robust to the odd slow step (a first forward at a new shape, the host stalling):
         # one step moves the fit by at most half its prediction plus a millisecond.
         predicted = float(x @ self.theta)
+        cell = self.cells.setdefault((int(rows), int(k)), [0, 0.0, 0.0])
+        cell[0] += 1
+        cell[1] += ms
+        cell[2] += predicted
         bound = 0.5 * abs(predicted) + 1.0
         y = predicted + float(np.clip(ms - predicted, -bound, bound))
         lam, held = self.forget, 1.0 - self.forget
@@ -86,3 +114,16 @@ class OnlineStepCost:
             lam * self.info_theta + x * y + held * (self.prior_info @ self.prior_theta)
         )
         self.theta = np.linalg.solve(self.info, self.info_theta)
+
+    def coefficients(self) -> str:
+        return ", ".join(f"{name} {v:.3f}" for name, v in zip(TERMS, self.theta, strict=True))
+
+    def report(self, least: int = 20) -> str:
+        """Mean measured / modelled ms per (rows, k) of the decode steps fitted, for the cells
+        of at least ``least`` steps."""
+        cells = [
+            f"{rows}x{k}: {m / n:.1f}/{p / n:.1f} ({n})"
+            for (rows, k), (n, m, p) in sorted(self.cells.items())
+            if n >= least
+        ]
+        return "measured/modelled ms by rows x k " + (", ".join(cells) or "-")

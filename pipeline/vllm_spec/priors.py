@@ -30,7 +30,7 @@ def mode_of(temperature: float | None) -> str:
 @dataclass(frozen=True)
 class Priors:
     rates: dict[str, float] = field(default_factory=dict)  # mode -> per-token acceptance
-    cost: tuple[float, float, float, float, float] | None = None  # c0, c_pos, c_union, d0, d_row
+    cost: tuple[float, ...] | None = None  # online_step_cost.TERMS' order
     union: tuple[int, int, float] | None = None  # E, top_k, r of U(P) = E - (E - k) r^(P-1)
     sources: tuple[str, ...] = ()
     draft_cost_measured: bool = True  # d0, d_row measured for this drafter (not another's)
@@ -87,7 +87,11 @@ def load_priors(draft: str | Path | None, device: str = "cpu", target: str | Non
         measured = body.get("provenance", {}).get("device", "")
         c = body.get("cost", {})
         if measured.split(":")[0] == device.split(":")[0] and "b0" in c:
-            cost = (c["b0"], c["b_pos"], c["b_union"], c["d0"], c["d_tok"])
+            # no row term measured (0); s0 + s_row B: the calibrating drafter's own work
+            cost = (
+                c["b0"], c["b_pos"], c["b_union"], 0.0,
+                c["d0"], c["d_tok"], c.get("s0", 0.0), c.get("s_row", 0.0),
+            )  # fmt: skip
             union = (int(c["experts"]), int(c["top_k"]), float(c["union_decay"]))
             sources.append(str(path))
     return Priors(rates, cost, union, tuple(sources), measured_draft or cost is None)

@@ -6,9 +6,10 @@ is tested without vLLM).
 - **Acceptance**, per request and decoding mode (a row is priced at its own temperature), a
   per-token rate ``a`` from the chains vLLM verifies (pipeline.vllm_spec.row_acceptance); a
   row drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens.
-- **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + k (d0 + d_row B)``
-  ms (pipeline.vllm_spec.online_step_cost), P verified positions, U(P) the expected union of
-  experts they load, B rows, k draft rounds; fitted over the decode steps the engine times (a
+- **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + c_row B +
+  k (d0 + d_row B) + [k > 0] (s0 + s_row B)`` ms (pipeline.vllm_spec.online_step_cost), P
+  verified positions, U(P) the expected union of experts they load, B rows, k draft rounds;
+  fitted over the decode steps the engine times (a
   step that also prefills is not fitted; the scheduler times a step from its ``schedule()``
   to the next), from the calibration's costs as a prior it never forgets. With the plugin's
   drafter a step at k = 0 runs no draft forward, so idle steps measure the target's terms and
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.vllm_spec.env_settings import fields_from_env
-from pipeline.vllm_spec.online_step_cost import DEFAULT_COST, OnlineStepCost
+from pipeline.vllm_spec.online_step_cost import DEFAULT_COST, TERMS, OnlineStepCost
 from pipeline.vllm_spec.priors import MODES, Priors
 from pipeline.vllm_spec.row_acceptance import RowAcceptance
 
@@ -37,6 +38,12 @@ ENV = "SPECBOUND_SCHEDULER"
 @dataclass(frozen=True)
 class PlannerConfig:
     explore: float = 0.0  # share of steps whose k is drawn at random
+    # Every this many steps, two steps draft nothing (0: never): with the plugin they cost no
+    # draft forward, and they are what measures the drafting terms (s0, s_row: what drafting
+    # at all adds to a step at this batch size), which steps that all draft cannot tell from
+    # the intercept and the row term. Off by default: at one request they cost about 2% of
+    # the tokens, and no gain at 8 was measured (docs/serving_vllm.md).
+    measure_off_every: int = 0
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
     # Per step, the share by which acceptance evidence fades back to the prior (the offline
@@ -45,7 +52,8 @@ class PlannerConfig:
     revert: float = 0.01
     prior_rate: float = 0.6  # acceptance before any evidence, where no offline model says
     prior_weight: float = 4.0  # judged tokens that prior is worth
-    # Prior step cost (ms) where no calibration is found: c0, c_pos, c_union, d0, d_row.
+    # Prior step cost (ms) where no calibration is found, in online_step_cost.TERMS' order:
+    # c0, c_pos, c_union, c_row, d0, d_row, s0, s_row.
     prior_cost: tuple[float, ...] = DEFAULT_COST
     prior_precision: float = 1.0  # per coefficient; a calibration's prior: 25
     offline_priors: bool = True  # start from the pair's acceptance model and calibration
@@ -53,6 +61,9 @@ class PlannerConfig:
     # with the plugin's drafter: speculation off on a speculating engine)
     design: str = "policy"
     trim: bool = True  # verify a drafted chain only as far as the marginal rule keeps it
+    # Fit the step cost's row term and drafting terms (c_row, s0, s_row); false holds them at
+    # 0 (the form without them, for comparison).
+    row_terms: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,10 +75,12 @@ class PlannerConfig:
             raise ValueError(f"revert {self.revert}: between 0 and 0.5")
         if not 0.0 < self.prior_rate < 1.0 or self.prior_weight <= 0:
             raise ValueError("prior_rate in (0, 1), prior_weight > 0")
-        if len(self.prior_cost) != 5 or self.prior_precision <= 0:
+        if len(self.prior_cost) != len(TERMS) or self.prior_precision <= 0:
             raise ValueError(
-                "prior_cost: five numbers (c0, c_pos, c_union, d0, d_row); precision > 0"
+                f"prior_cost: {len(TERMS)} numbers ({', '.join(TERMS)}); precision > 0"
             )
+        if self.measure_off_every < 0:
+            raise ValueError(f"measure_off_every {self.measure_off_every}: 0 (never) or more")
         if self.design not in ("policy", "fixed", "off"):
             raise ValueError(f"design {self.design!r}: policy, fixed or off")
 
@@ -87,7 +100,9 @@ class StepPlanner:
         self.config = c = config or PlannerConfig()
         priors = priors or Priors()
         use = c.offline_priors
-        self.cost = OnlineStepCost(priors, use, c.prior_cost, c.prior_precision, c.forget)
+        self.cost = OnlineStepCost(
+            priors, use, c.prior_cost, c.prior_precision, c.forget, c.row_terms
+        )
         mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
         }
@@ -100,6 +115,8 @@ class StepPlanner:
         self.trimmed = 0  # drafted tokens left unverified (a report)
         self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
         self.prefill_steps = 0  # steps that also prefilled, not fitted (a report)
+        self.measured_off = 0  # steps held at 0 to measure the drafting terms (a report)
+        self._since_off = 0  # choices since the last such pair
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
 
@@ -140,7 +157,7 @@ class StepPlanner:
     # -- step cost ----------------------------------------------------------------------
 
     @property
-    def theta(self) -> np.ndarray:  # the step-cost coefficients (c0, c_pos, c_union, d0, d_row)
+    def theta(self) -> np.ndarray:  # the step-cost coefficients, online_step_cost.TERMS
         return self.cost.theta
 
     @theta.setter
@@ -200,13 +217,14 @@ class StepPlanner:
     def report(self) -> str:
         """One line of the planner's state: what it chose, believes and measured."""
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(self.chosen) if n)
-        theta = ", ".join(f"{v:.3f}" for v in self.theta)
         return (
             f"steps {self.steps} ({self.prefill_steps} with a prefill, not fitted); "
             f"k chosen {chosen or '-'}; {self.acceptance.report()}; "
-            f"step ms = [c0, c_pos, c_union, d0, d_row] . [1, P, U(P), k, kB] with "
-            f"[{theta}]; {self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
-            f"left unverified; {self.held_off} row-steps held off by their request"
+            f"step ms coefficients {self.cost.coefficients()}; "
+            f"{self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
+            f"left unverified; {self.held_off} row-steps held off by their request; "
+            f"{self.measured_off} steps held at 0 to measure drafting; "
+            f"{self.cost.report()}"
         )
 
     # -- the choice ---------------------------------------------------------------------
@@ -231,6 +249,14 @@ class StepPlanner:
             return 0  # no row may draft: the step runs as without speculation
         if self.config.design == "fixed":
             return top
+        every = self.config.measure_off_every
+        if every:
+            self._since_off += 1
+            if self._since_off >= every:  # two steps at 0; the second verifies nothing either
+                if self._since_off > every:
+                    self._since_off = 0
+                self.measured_off += 1
+                return 0
         if self.config.explore > 0 and self.rng.random() < self.config.explore:
             return int(self.rng.integers(0, top + 1))
         rates = np.array([self.rate(r) for r in request_ids])
