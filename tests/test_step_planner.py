@@ -120,6 +120,8 @@ def test_fixed_design_exploration_and_empty_batches() -> None:
     planner = StepPlanner(4, PlannerConfig(explore=1.0, seed=3))
     picks = [planner.choose(["a"]) for _ in range(500)]
     assert set(picks) == {0, 1, 2, 3, 4} and planner.chosen.sum() == 500
+    changed = sum(a != b for a, b in zip(picks, picks[1:], strict=False))
+    assert planner.switches == changed and f"(changed at {changed} steps)" in planner.report()
 
 
 @pytest.mark.parametrize(

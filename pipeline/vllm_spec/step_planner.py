@@ -116,6 +116,10 @@ class StepPlanner:
         self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
         self.prefill_steps = 0  # steps that also prefilled, not fitted (a report)
         self.measured_off = 0  # steps held at 0 to measure the drafting terms (a report)
+        # Steps whose k differs from the step before (a report): a switch to 0 leaves the
+        # next step nothing to verify, which the steady-state choice does not price.
+        self.switches = 0
+        self._last_k = -1
         self._since_off = 0  # choices since the last such pair
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
@@ -219,7 +223,8 @@ class StepPlanner:
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(self.chosen) if n)
         return (
             f"steps {self.steps} ({self.prefill_steps} with a prefill, not fitted); "
-            f"k chosen {chosen or '-'}; {self.acceptance.report()}; "
+            f"k chosen {chosen or '-'} (changed at {self.switches} steps); "
+            f"{self.acceptance.report()}; "
             f"step ms coefficients {self.cost.coefficients()}; "
             f"{self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
             f"left unverified; {self.held_off} row-steps held off by their request; "
@@ -237,6 +242,8 @@ class StepPlanner:
     def choose(self, request_ids: list[str]) -> int:
         k = self._choose(request_ids)
         self.chosen[k] += 1
+        self.switches += int(self._last_k >= 0 and k != self._last_k)
+        self._last_k = k
         return k
 
     def _choose(self, request_ids: list[str]) -> int:
