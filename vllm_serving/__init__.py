@@ -8,6 +8,7 @@ vllm_serving.settings     the app's settings (VllmAppArgs): models and their spe
                           engine and replica sizes, deadline, API key
 vllm_serving.llm_configs  the settings as ray.serve.llm LLMConfigs (speculative_config, env)
 vllm_serving.deadline     a stream past its deadline ends with finish_reason "deadline"
+vllm_serving.cancellation a request's engine calls, cancelled and confirmed to end
 vllm_serving.health       each model id's state (running, starting, not placeable, failed)
                           for /healthz, /v1/models and a prompt 503
 vllm_serving.placement    whether the cluster can hold the engine replicas (refused at build)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextvars import ContextVar
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.auth import install_auth, set_api_key
 from serving.errors import error_response
+from vllm_serving.cancellation import CALLS, TrackedHandle, cancel
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 from vllm_serving.health import ModelHealth
 from vllm_serving.refusals import (
@@ -73,43 +73,6 @@ def router_app() -> FastAPI:
     return app
 
 
-# The engine calls one request made (its own task's context): cancelled at its deadline.
-_CALLS: ContextVar[list | None] = ContextVar("specbound_engine_calls", default=None)
-
-
-class _TrackedHandle:
-    """An engine deployment's handle whose calls are recorded in the request's ``_CALLS``:
-    a stream closed early (or a response awaited past its deadline) leaves its call to the
-    engine replica running, and vLLM generating to max_tokens for no one, until the call is
-    cancelled (vLLM aborts a cancelled request)."""
-
-    def __init__(self, handle: Any):
-        self._handle = handle
-
-    def options(self, **kwargs: Any) -> _TrackedHandle:
-        return _TrackedHandle(self._handle.options(**kwargs))
-
-    def __getattr__(self, name: str) -> _TrackedMethod:
-        return _TrackedMethod(getattr(self._handle, name))
-
-
-class _TrackedMethod:
-    def __init__(self, method: Any):
-        self._method = method
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        response = self._method.remote(*args, **kwargs)
-        calls = _CALLS.get()
-        if calls is not None:
-            calls.append(response)
-        return response
-
-
-def _cancel(calls: list) -> None:
-    for call in calls:
-        call.cancel()
-
-
 class SpecboundIngress(OpenAiIngress):
     def __init__(
         self,
@@ -143,8 +106,8 @@ class SpecboundIngress(OpenAiIngress):
         """The model's card (GET /v1/models, /v1/models/{id}) with its state."""
         return await self.health.card(await super().model(model_id))
 
-    def _get_configured_serve_handle(self, model_id: str) -> _TrackedHandle:
-        return _TrackedHandle(super()._get_configured_serve_handle(model_id))
+    def _get_configured_serve_handle(self, model_id: str) -> TrackedHandle:
+        return TrackedHandle(super()._get_configured_serve_handle(model_id))
 
     async def _process_llm_request(self, body: Any, call_method: str, raw_request: Any = None):
         # A model id without a running replica: a 503 saying why, not a wait to the deadline.
@@ -152,7 +115,7 @@ class SpecboundIngress(OpenAiIngress):
             return refused
         loop = asyncio.get_running_loop()
         calls: list = []
-        _CALLS.set(calls)  # this request's task: _get_response calls the engine in it
+        CALLS.set(calls)  # this request's task: _get_response calls the engine in it
         ends_at = loop.time() + self.request_timeout_s
         chat = call_method == "chat"
         n = getattr(body, "n", None) or 1
@@ -161,7 +124,7 @@ class SpecboundIngress(OpenAiIngress):
             async with asyncio.timeout_at(ends_at):
                 response = await super()._process_llm_request(body, call_method, raw_request)
         except TimeoutError:
-            _cancel(calls)
+            cancel(calls)
             if stream:
                 # Nothing came before the deadline: the stream is its closing chunk alone.
                 async def closed():
@@ -195,4 +158,4 @@ async def _cancelled_unless_done(packets: Any, calls: list, ends_at: float):
         finished = loop.time() < ends_at
     finally:
         if not finished:
-            _cancel(calls)
+            cancel(calls)
