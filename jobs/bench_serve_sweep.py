@@ -1,13 +1,13 @@
 """Serving sweep: the research endpoint (serving.app) and the vLLM app (vllm_serving: vLLM's
-engine with our proposer, with vLLM's draft_model at fixed K, with no speculation) under 1, 2,
-4, 8, 16 concurrent streaming clients, over ShareGPT (each conversation's first human turn, a
-seeded sample) and HumanEval, in one run, interleaved (per source and concurrency every
-system's cell before the next concurrency).
+engine with ours (the cost-aware scheduler), with vLLM's draft_model at fixed K, with no
+speculation) under 1, 2, 4, 8, 16 concurrent streaming clients, over ShareGPT (each
+conversation's first human turn, a seeded sample) and HumanEval, in one run, interleaved (per
+source and concurrency every system's cell before the next concurrency).
 
 Per (source, system, clients) cell every prompt is posted once as a streaming completion; the
 table gives requests, errors, completed requests/s, output tokens/s, p50/p99 latency (until
 [DONE]) and p50/p99 time to first token (TTFT: until the first text chunk); then batched /
-single ratios where both endpoint modes ran, and the vLLM app with our proposer against the
+single ratios where both endpoint modes ran, and the vLLM app with ours against the
 endpoint's best cell, vLLM's best fixed K and no speculation. Endpoint modes: `single`
 (max_batch=1, round robin) and `batched` (max_batch=--max-batch: continuous batching), side by
 side in a local Ray cluster; the vLLM app runs in the vLLM environment (`make vllm-env`) in a

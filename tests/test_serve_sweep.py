@@ -81,7 +81,7 @@ def test_sweep_measures_every_cell_of_every_system(tmp_path: Path, monkeypatch, 
         assert r["ours_vs_endpoint_x"] > 0 and r["ours_vs_best_k_x"] > 0
 
     table = capsys.readouterr().out
-    assert "batched / single" in table and "vLLM app with our proposer" in table
+    assert "batched / single" in table and "vLLM app with ours (the cost-aware scheduler)" in table
     with open(out / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 16 and all(r["errors"] == "0" for r in rows)

@@ -66,6 +66,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
         ({"speculation": "none", "models": [{"name": "a"}]}, "give either models"),
         ({"device": "cuda"}, "needs num_gpus > 0"),
         ({"api_key": "sk test"}, "printable ASCII without spaces"),
+        (
+            {"speculation": "draft_model", "draft_sample_method": "top"},
+            "draft_sample_method 'top': one of greedy, probabilistic",
+        ),
+        (
+            {"speculation": "eagle3", "draft_sample_method": "probabilistic"},
+            "draft_sample_method is for speculation ours, draft_model",
+        ),
     ],
 )
 def test_bad_settings_refused_with_their_reason(settings, problem):
@@ -120,6 +128,20 @@ def test_ours_is_the_scheduler_over_vllms_draft_model():
     assert engine["scheduler_cls"] == SCHEDULER_CLASS
     assert json.loads(env[SCHEDULER_ENV]) == {"design": "fixed"}
     assert PROPOSER_ENV not in env
+
+
+def test_draft_model_drafts_greedy_or_probabilistic_as_set():
+    def spec(settings: dict) -> dict:
+        return _config({"models": [settings]})["engine_kwargs"]["speculative_config"]
+
+    assert "draft_sample_method" not in spec({"name": "k2", "speculation": "draft_model"})
+    sampled = spec(
+        {"name": "p", "speculation": "draft_model", "draft_sample_method": "probabilistic"}
+    )
+    assert sampled["draft_sample_method"] == "probabilistic"
+    assert sampled["method"] == "draft_model" and sampled["num_speculative_tokens"] == 2
+    greedy = spec({"name": "g", "speculation": "ours", "draft_sample_method": "greedy"})
+    assert greedy["draft_sample_method"] == "greedy"  # ours: probabilistic unless set
 
 
 def test_ours_eagle3_is_the_scheduler_over_vllms_eagle3_drafter_with_the_head():

@@ -58,6 +58,8 @@ def speculation(
     if model.speculation in ("eagle3", "ours-eagle3"):
         check_head(head, target)
     knobs: dict[str, Any] = {"k": k}
+    if model.draft_sample_method is not None:
+        knobs["draft_sample_method"] = model.draft_sample_method
     policy = None
     if model.speculation in ("ours", "ours-eagle3"):
         PlannerConfig(**model.policy)

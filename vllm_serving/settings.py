@@ -30,6 +30,10 @@ DEFAULT_K = {
     "none": 0,
 }
 POLICY_SETTINGS = ("ours", "ours-eagle3", "proposer")
+# vLLM's draft_model drafts the argmax (greedy) by default; probabilistic: at T > 0 the draft
+# samples and its probabilities enter the rejection test (ours drafts that way by default).
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+SAMPLED_DRAFTING = ("ours", "draft_model")
 
 
 class ServedModel(BaseModel):
@@ -44,12 +48,23 @@ class ServedModel(BaseModel):
     # fields (SPECBOUND_SCHEDULER); proposer, pipeline.vllm_spec.config.ProposerConfig's
     # (SPECBOUND_PROPOSER).
     policy: dict[str, Any] = {}
+    # How the draft model drafts at T > 0 (ours and draft_model): None is the method's default.
+    draft_sample_method: str | None = None
 
     @field_validator("speculation")
     @classmethod
     def _known(cls, value: str) -> str:
         if value not in SPECULATION:
             raise ValueError(f"speculation {value!r}: one of {', '.join(SPECULATION)}")
+        return value
+
+    @field_validator("draft_sample_method")
+    @classmethod
+    def _sample_method(cls, value: str | None) -> str | None:
+        if value is not None and value not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(
+                f"draft_sample_method {value!r}: one of {', '.join(DRAFT_SAMPLE_METHODS)}"
+            )
         return value
 
     @model_validator(mode="after")
@@ -60,6 +75,11 @@ class ServedModel(BaseModel):
             raise ValueError(
                 f"model {self.name!r}: policy settings are for speculation "
                 f"{', '.join(POLICY_SETTINGS)}"
+            )
+        if self.draft_sample_method is not None and self.speculation not in SAMPLED_DRAFTING:
+            raise ValueError(
+                f"model {self.name!r}: draft_sample_method is for speculation "
+                f"{', '.join(SAMPLED_DRAFTING)}"
             )
         return self
 
@@ -100,8 +120,8 @@ class VllmAppArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
-        """`speculation=`, `k=` and `policy=` at the top level set the one model's; strings
-        from the command line (`models=[...]`, `policy={...}`) are JSON."""
+        """`speculation=`, `k=`, `policy=` and `draft_sample_method=` at the top level set the one
+        model's; strings from the command line (`models=[...]`, `policy={...}`) are JSON."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -111,11 +131,13 @@ class VllmAppArgs(BaseModel):
                     data[key] = json.loads(data[key])
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{key}: not JSON: {exc}") from exc
-        shorthand = ("speculation", "k", "policy", "model_name")
+        shorthand = ("speculation", "k", "policy", "draft_sample_method", "model_name")
         single = {k: data.pop(k) for k in shorthand if k in data}
         if single:
             if "models" in data:
-                raise ValueError("give either models=[...] or speculation/k/policy, not both")
+                raise ValueError(
+                    "give either models=[...] or speculation/k/policy/draft_sample_method, not both"
+                )
             if "model_name" in single:
                 single["name"] = single.pop("model_name")
             data["models"] = [single]

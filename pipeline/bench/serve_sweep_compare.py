@@ -1,6 +1,7 @@
 """The serving sweep's comparison of the vLLM app with the research endpoint, per (source,
-concurrency): our proposer's cell against the endpoint's best cell, against vLLM's best fixed
-draft length (the best ``draft_model`` model id of the same run) and against no speculation."""
+concurrency): the cell of ``ours`` (the cost-aware scheduler) against the endpoint's best
+cell, against vLLM's best fixed draft length (the best ``draft_model`` model id of the same
+run) and against no speculation."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def format_comparisons(items: list[dict[str, Any]]) -> list[str]:
         return []
     lines = [
         "",
-        "vLLM app with our proposer against the endpoint's best cell, vLLM's best fixed K and none",
+        "vLLM app with ours (the cost-aware scheduler) against the endpoint's best cell, "
+        "vLLM's best fixed K and none",
         f"{'source':<10}{'clients':>8}  {'ours tok/s':>10}{'endpoint':>10}{'x':>7}"
         f"  {'best K':<16}{'tok/s':>8}{'x':>7}{'none':>8}{'x':>7}{'p99/ep p50':>11}{'errors':>7}",
     ]
