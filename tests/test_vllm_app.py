@@ -26,7 +26,7 @@ from pipeline.vllm_spec.env import vllm_python
 from pipeline.vllm_spec.methods import PROPOSER_CLASS, SCHEDULER_CLASS
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
-from vllm_serving.llm_configs import llm_config_dicts
+from vllm_serving.llm_configs import describe, llm_config_dicts
 from vllm_serving.placement import engine_demand, shortfall
 from vllm_serving.settings import DEFAULT_K, VllmAppArgs
 
@@ -142,6 +142,17 @@ def test_draft_model_drafts_greedy_or_probabilistic_as_set():
     assert sampled["method"] == "draft_model" and sampled["num_speculative_tokens"] == 2
     greedy = spec({"name": "g", "speculation": "ours", "draft_sample_method": "greedy"})
     assert greedy["draft_sample_method"] == "greedy"  # ours: probabilistic unless set
+    # /healthz and /v1/models say how each model id drafts where it was set
+    served = VllmAppArgs.model_validate(
+        {
+            "models": [
+                {"name": "p", "speculation": "draft_model", "draft_sample_method": "probabilistic"}
+            ]
+        }
+    )
+    assert json.loads(describe(served)) == {
+        "p": {"speculation": "draft_model", "k": 2, "draft_sample_method": "probabilistic"}
+    }
 
 
 def test_ours_eagle3_is_the_scheduler_over_vllms_eagle3_drafter_with_the_head():

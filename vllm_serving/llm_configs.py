@@ -133,6 +133,10 @@ def vllm_version() -> str | None:
 
 
 def describe(args: VllmAppArgs) -> str:
-    return json.dumps(
-        {m.name: {"speculation": m.speculation, "k": m.draft_length} for m in args.models}
-    )
+    """Each model id's speculation as /healthz and /v1/models state it."""
+    out = {}
+    for m in args.models:
+        out[m.name] = {"speculation": m.speculation, "k": m.draft_length}
+        if m.draft_sample_method is not None:
+            out[m.name]["draft_sample_method"] = m.draft_sample_method
+    return json.dumps(out)
