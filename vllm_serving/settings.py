@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.vllm_spec.methods import DRAFT_SAMPLE_METHODS, METHOD_KNOBS
+
 # ours: vLLM's draft_model drafter, the draft length of every step chosen by the cost-aware
 # scheduler (pipeline.vllm_spec.scheduler); proposer: the cost-aware custom_class proposer
 # (pipeline.vllm_spec.proposer: our own draft forwards, per-row lengths); draft_model and
@@ -30,10 +32,9 @@ DEFAULT_K = {
     "none": 0,
 }
 POLICY_SETTINGS = ("ours", "ours-eagle3", "proposer")
-# vLLM's draft_model drafts the argmax (greedy) by default; probabilistic: at T > 0 the draft
-# samples and its probabilities enter the rejection test (ours drafts that way by default).
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-SAMPLED_DRAFTING = ("ours", "draft_model")
+# The settings that take draft_sample_method (vLLM's draft_model drafts greedily by default,
+# ours probabilistically).
+SAMPLED_DRAFTING = tuple(m for m, knobs in METHOD_KNOBS.items() if "draft_sample_method" in knobs)
 
 
 class ServedModel(BaseModel):

@@ -33,6 +33,9 @@ METHOD_KNOBS: dict[str, set[str]] = {
     "proposer": {"k"},
 }
 DRAFTERS = {"ours": "draft_model", "ours-eagle3": "eagle3"}  # vLLM's drafter under ours
+# How vLLM's draft_model drafts at T > 0: the argmax, or a sample whose probabilities enter
+# the rejection test.
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # k=1..6 expands to one method per K. ngram leaves prompt_lookup_min/max unset: vLLM then
 # uses 5..5. The schedule is (first batch size: K) ranges, each to the next one's start.
 DEFAULT_METHODS = (
@@ -169,7 +172,7 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
             raise ValueError(f"method {item!r}: k must be >= 1, got {k!r}")
     if "schedule" in knobs:
         parse_schedule(knobs["schedule"])
-    if knobs.get("draft_sample_method", "greedy") not in ("greedy", "probabilistic"):
+    if knobs.get("draft_sample_method", "greedy") not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"method {item!r}: draft_sample_method is greedy or probabilistic")
     out = []
     for kk in ks:
