@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,30 @@ TEXTS = [
     Document(f"d{i}", f"def f(x):\n    return x + {i}\n# the quick brown fox jumps\n")
     for i in range(50)
 ]
+
+
+_SESSION: list[pytest.Session] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SESSION.append(session)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End a process that started Ray without the interpreter's finalisation. Several tests start
+    and shut down a Ray cluster in this process; threads of the earlier sessions outlive
+    ray.shutdown() (Serve's router loop, Ray Data's prefetchers; ray-project/ray#31145: they
+    hold core-worker state a later session freed), and once in CI the interpreter crashed in
+    its finalisation (SIGSEGV) after all tests had passed and every report was written. The
+    verdict is final here, so the process exits with it."""
+    if "ray" not in sys.modules or not _SESSION:
+        return
+    status = int(_SESSION[-1].exitstatus)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
+    os._exit(status)
 
 
 @pytest.fixture(scope="module")
