@@ -48,7 +48,7 @@ from pipeline.tracking import tracked_run
 
 DEFAULT_POLICIES = '[{"policy": "throughput"}]'  # the endpoint's default
 DEFAULT_VLLM = "ours:k=4,draft_model:k=1..3,none"
-VLLM_METHODS = ("ours", "proposer", "draft_model", "ngram", "none")
+VLLM_METHODS = ("ours", "draft_model", "ngram", "none")
 
 
 def _policies(text: str) -> list[dict]:
@@ -79,7 +79,7 @@ def _modes(text: str) -> list[str]:
 
 def _vllm_models(text: str) -> list[dict]:
     """'ours:k=4,draft_model:k=1..3,none' -> the vLLM app's model ids (ServedModel fields):
-    k=A..B gives one per K; any other knob of ours or proposer is a policy setting."""
+    k=A..B gives one per K; any other knob of ours is a scheduler setting."""
     from pipeline.vllm_spec.methods import _value
 
     models = []
@@ -100,10 +100,10 @@ def _vllm_models(text: str) -> list[dict]:
             ks = list(range(int(lo), int(hi) + 1)) if sep else [int(lo)] if lo else [None]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item}: k is an int or A..B") from None
-        if (name == "none") != (ks == [None]) or (knobs and name not in ("ours", "proposer")):
+        if (name == "none") != (ks == [None]) or (knobs and name != "ours"):
             raise argparse.ArgumentTypeError(
-                f"{item}: none takes no knobs, the others k=K or k=A..B (and ours or proposer "
-                "their policy settings)"
+                f"{item}: none takes no knobs, the others k=K or k=A..B (and ours its "
+                "scheduler settings)"
             )
         for k in ks:
             label = name + (f"-k{k}" if k is not None else "")
@@ -144,8 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_vllm_models,
         default=_vllm_models(DEFAULT_VLLM),
         help="the vLLM app's speculation settings, each its own engine replica: ours (the "
-        "cost-aware scheduler over vLLM's draft_model), proposer (the cost-aware custom_class "
-        "proposer), draft_model, ngram, each with k=K or k=A..B, and none "
+        "cost-aware scheduler over vLLM's draft_model; other knobs are its settings, e.g. "
+        "ours:k=4:design=fixed), draft_model, ngram, each with k=K or k=A..B, and none "
         f"(default {DEFAULT_VLLM})",
     )
     p.add_argument("--no-vllm", action="store_true", help="the endpoint only")

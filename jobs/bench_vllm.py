@@ -28,8 +28,6 @@ Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expand
   ngram:k=K                 prompt lookup (min=, max=: window; vLLM's default is 5..5)
   suffix                    suffix decoding (needs arctic-inference; recorded as failed
                             when absent)
-  proposer:k=K              the custom_class proposer (pipeline.vllm_spec.proposer), K at
-                            most; other knobs go to it as the JSON of SPECBOUND_PROPOSER
 
 With the project's vLLM plugin (make vllm-env installs it) a step that drafts 0 runs no draft
 forward, and sampled speculation on vLLM's CPU build gets the target's real probabilities

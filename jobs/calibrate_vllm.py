@@ -1,15 +1,16 @@
-"""Calibrate what vLLM's engine step costs, for our proposer inside vLLM
-(pipeline.vllm_spec): vLLM decodes the prompts at each --batch-sizes with our proposer
-drafting a random length 0..K per row and step, a hook on vLLM's MoE gates records the
+"""Calibrate what vLLM's engine step costs, the cost-aware scheduler's prior
+(pipeline.vllm_spec.priors): vLLM decodes the prompts at each --batch-sizes with the
+calibration drafter (pipeline.vllm_spec.calibration_drafter) drafting a random length 0..K
+per row and step, a hook on vLLM's MoE gates records the
 experts every pass routes to, and the steps are fitted to
 
-    T_T(P, U, A) = b0 + b_pos P + b_union U + b_ctx A      (vLLM's step, outside the proposer)
+    T_T(P, U, A) = b0 + b_pos P + b_union U + b_ctx A      (vLLM's step, outside the drafter)
     T_D(n) = d0 + d_tok n                                   (one packed draft forward, n tokens)
-    S(B) = s0 + s_row B                                     (the proposer's own work, B rows)
+    S(B) = s0 + s_row B                                     (the drafter's own work, B rows)
 
 saved as vllm_costmodel.json with its provenance (device, dtype, checkpoints, vLLM version):
-the proposer refuses a model measured elsewhere. Runs vLLM in its own environment
-(make vllm-env).
+the scheduler takes it as a prior only on the device it was measured on. Runs vLLM in its own
+environment (make vllm-env).
 
     python -m jobs.calibrate_vllm                                   # models/vllm_costmodel.json
     python -m jobs.calibrate_vllm --draft models/draft-2layer \
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"T_D(n)       = {c.d0:.3f} + {c.d_tok:.4f} n ms per draft forward of n tokens "
         f"(R^2 {c.r2_draft:.3f}, {fit['draft_forwards']} forwards)"
     )
-    print(f"S(B)         = {c.s0:.3f} + {c.s_row:.4f} B ms of the proposer's own work per step")
+    print(f"S(B)         = {c.s0:.3f} + {c.s_row:.4f} B ms of the drafter's own work per step")
     print(f"U(P)         = {c.experts} - {c.experts - c.top_k} x {c.union_decay:.4f}^(P-1)")
     print(f"-> {args.out} ({result.seconds:.0f} s)")
     return {"cost": c.to_json(), "fit": fit}

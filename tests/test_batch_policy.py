@@ -13,7 +13,7 @@ import pytest
 
 from jobs import calibrate_batch
 from pipeline.cost.batch import BatchCost
-from pipeline.decode.batch_economy import BatchEconomy, expected
+from pipeline.decode.batch_economy import BatchEconomy, expected, plan_lengths
 from pipeline.decode.batching import BatchRecord
 
 COST = BatchCost(
@@ -215,3 +215,25 @@ def test_the_calibration_job_adds_the_batch_section(tmp_path, monkeypatch):
     assert batch.records > 0 and batch.experts == 32
     committed = json.loads(Path("models/costmodel.json").read_text())
     assert data["beta0"] == committed["beta0"]  # the batch-1 model is kept as it was
+
+
+def test_plan_mixes_chain_limits_and_prices_the_batch():
+    cost = BatchCost(
+        b0=7.0,
+        b_pos=0.08,
+        b_union=0.08,
+        b_ctx=0.0,
+        d0=0.9,
+        d_tok=0.06,
+        s0=0.2,
+        s_row=0.1,
+        experts=32,
+        top_k=4,
+        union_decay=0.98,
+    )
+    accs = [[0.9] * 6, [0.9] * 2, [], [0.05] * 6]
+    ks, rate = plan_lengths(cost, accs, [100] * 4, 6)
+    assert ks[1] <= 2 and ks[2] == 0 and ks[0] >= ks[3] and ks[0] > 0
+    plain = (cost.t_step_overhead(4) + cost.t_target(4, None, 400)) / 4
+    assert rate < plain
+    assert plan_lengths(cost, [[0.0] * 6], [10], 6)[0] == [0]

@@ -132,13 +132,13 @@ def test_sweep_defaults_and_labels() -> None:
         "none",
     ]
     assert args.vllm[1] == {"name": "draft_model-k1", "speculation": "draft_model", "k": 1}
-    ours = bench_serve_sweep.parse_args(["--vllm", "proposer:k=4:probe_every=4"]).vllm
+    ours = bench_serve_sweep.parse_args(["--vllm", "ours:k=4:design=fixed"]).vllm
     assert ours == [
         {
-            "name": "proposer-k4-probe_every4",
-            "speculation": "proposer",
+            "name": "ours-k4-designfixed",
+            "speculation": "ours",
             "k": 4,
-            "policy": {"probe_every": 4},
+            "policy": {"design": "fixed"},
         }
     ]
 

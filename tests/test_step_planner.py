@@ -216,11 +216,11 @@ def test_a_drafter_no_calibration_measured_takes_its_targets_terms_only() -> Non
 
 def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
     """One name per mechanism: ours (and ours-eagle3) the scheduler over vLLM's drafter with
-    probabilistic drafting, proposer the custom_class proposer; scheduler knobs travel in
-    SPECBOUND_SCHEDULER."""
-    from pipeline.vllm_spec.methods import PROPOSER_CLASS, SCHEDULER_CLASS, parse_methods
+    probabilistic drafting; scheduler knobs travel in SPECBOUND_SCHEDULER. The calibration's
+    custom_class drafter is no method: nothing serves with it."""
+    from pipeline.vllm_spec.methods import SCHEDULER_CLASS, parse_methods
 
-    ours, head, proposer = parse_methods("ours:k=3:design=off,ours-eagle3:k=2,proposer:k=4")
+    ours, head = parse_methods("ours:k=3:design=off,ours-eagle3:k=2")
     entry = ours.entry("models/draft")
     assert entry["speculative_config"] == {
         "method": "draft_model",
@@ -231,9 +231,9 @@ def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
     assert entry["engine_kwargs"] == {"scheduler_cls": SCHEDULER_CLASS}
     assert json.loads(entry["env"]["SPECBOUND_SCHEDULER"]) == {"design": "off"}
     assert head.entry("models/draft")["speculative_config"]["method"] == "eagle3"
-    assert proposer.entry("models/draft")["speculative_config"]["model"] == PROPOSER_CLASS
-    with pytest.raises(ValueError, match="unknown method 'cost_aware'"):
-        parse_methods("cost_aware:k=2")
+    for retired in ("cost_aware", "proposer"):
+        with pytest.raises(ValueError, match=f"unknown method '{retired}'"):
+            parse_methods(f"{retired}:k=2")
 
 
 def test_acceptance_fades_back_to_the_prior_while_nothing_is_drafted() -> None:

@@ -21,9 +21,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from pipeline.vllm_spec.config import ENV as PROPOSER_ENV
 from pipeline.vllm_spec.env import vllm_python
-from pipeline.vllm_spec.methods import PROPOSER_CLASS, SCHEDULER_CLASS
+from pipeline.vllm_spec.methods import SCHEDULER_CLASS
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 from vllm_serving.llm_configs import describe, llm_config_dicts
@@ -92,12 +91,12 @@ def test_settings_from_the_command_line():
     ]
     # The shorthand sets the single model's speculation, k, policy and name.
     args = VllmAppArgs.model_validate(
-        {"speculation": "proposer", "k": "5", "policy": '{"design": "fixed"}', "model_name": "m"}
+        {"speculation": "ours", "k": "5", "policy": '{"design": "fixed"}', "model_name": "m"}
     )
     (model,) = args.models
     assert (model.name, model.speculation, model.k, model.policy) == (
         "m",
-        "proposer",
+        "ours",
         5,
         {"design": "fixed"},
     )
@@ -127,7 +126,7 @@ def test_ours_is_the_scheduler_over_vllms_draft_model():
     }
     assert engine["scheduler_cls"] == SCHEDULER_CLASS
     assert json.loads(env[SCHEDULER_ENV]) == {"design": "fixed"}
-    assert PROPOSER_ENV not in env
+    assert [k for k in env if k.startswith("SPECBOUND_")] == [SCHEDULER_ENV]
 
 
 def test_draft_model_drafts_greedy_or_probabilistic_as_set():
@@ -177,29 +176,9 @@ def test_a_head_for_another_target_is_refused_at_deploy(tmp_path):
         _config({"speculation": "eagle3", "head": str(tmp_path / "head")})
 
 
-def test_proposer_is_the_custom_class_with_its_settings_in_the_env():
-    config = _config({"speculation": "proposer", "policy": {"design": "fixed"}})
-    engine, env = config["engine_kwargs"], config["runtime_env"]["env_vars"]
-    assert engine["speculative_config"] == {
-        "method": "custom_class",
-        "model": PROPOSER_CLASS,
-        "num_speculative_tokens": 6,
-    }
-    assert "scheduler_cls" not in engine
-    # Absolute paths: the replica runs in Ray's session directory.
-    assert json.loads(env[PROPOSER_ENV]) == {
-        "draft": str(ROOT / "models" / "draft"),
-        "design": "fixed",
-    }
-
-
-def test_proposer_artifacts_checked_at_deploy():
-    with pytest.raises(FileNotFoundError, match="no vLLM step cost model"):
-        llm_config_dicts(
-            VllmAppArgs.model_validate(
-                {"speculation": "proposer", "policy": {"costmodel": "/nonexistent.json"}}
-            )
-        )
+def test_the_retired_proposer_is_refused_with_the_choices():
+    with pytest.raises(ValidationError, match="speculation 'proposer': one of ours, ours-eagle3"):
+        VllmAppArgs.model_validate({"speculation": "proposer"})
 
 
 def test_draft_model_and_none():

@@ -1,9 +1,9 @@
-"""Scenarios for tests/test_vllm_proposer.py, run in the vLLM environment (one process, a few
+"""Scenarios for tests/test_vllm_engine.py, run in the vLLM environment (one process, a few
 engines): python tests/vllm_scenarios.py OUT.json.
 
 Each engine's core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same engine
-code, scheduler and proposer, but a start takes about 2 s instead of about 18 (most of which
-is the spawned engine process importing vLLM again), so the eight engines here cost under a
+code, scheduler and plugin, but a start takes about 2 s instead of about 18 (most of which
+is the spawned engine process importing vLLM again), so the engines here cost under a
 minute. The spawned-process path is what tests/test_bench_vllm.py and the Serve app's tests
 (test_vllm_app.py, test_serve_sweep.py) run."""
 
@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "models", "target")
-CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
 SCHEDULER = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
 DRAFT = os.path.join(ROOT, "models", "draft")
 HEAD = os.path.join(ROOT, "models", "eagle3-head")
@@ -35,7 +33,7 @@ TEXTS = [
 def engine(spec: dict | None, env: dict | None = None, max_model_len: int = 512, **kw):
     from vllm import LLM
 
-    for key in ("SPECBOUND_PROPOSER", "SPECBOUND_PROPOSER_STATS", "SPECBOUND_SCHEDULER"):
+    for key in ("SPECBOUND_SCHEDULER",):
         os.environ.pop(key, None)
     os.environ.update(env or {})
     return LLM(
@@ -69,16 +67,10 @@ def main(out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from pipeline.vllm_spec.stats import read_stats
-
     result: dict = {}
     greedy = SamplingParams(temperature=0, max_tokens=48)
     # Requests that end mid-generation at different steps: their rows leave the batch.
     short = [SamplingParams(temperature=0, max_tokens=8 + 6 * i) for i in range(len(TEXTS))]
-    seeded = [
-        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32, ignore_eos=True)
-        for i in range(4)
-    ]
 
     llm = engine(None)
     tok = llm.get_tokenizer()
@@ -88,21 +80,6 @@ def main(out_path: str) -> None:
     result["plain_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
     result["plain_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
     result["plain_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
-    result["plain_seeded"] = ids(llm.generate(prompts[:4], seeded, use_tqdm=False))
-    del llm
-
-    stats = os.path.join(os.path.dirname(out_path), "stats.bin")
-    spec = {"method": "custom_class", "model": CLASS, "num_speculative_tokens": 4}
-    llm = engine(spec, {"SPECBOUND_PROPOSER_STATS": stats})
-    result["ours_c1"] = [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
-    result["ours_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
-    result["ours_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
-    # The same prompts in another order: the states are found by their tokens.
-    result["ours_reversed"] = ids(llm.generate(prompts[::-1], greedy, use_tqdm=False))[::-1]
-    result["ours_seeded"] = [
-        ids(llm.generate(prompts[:4], seeded, use_tqdm=False)) for _ in range(2)
-    ]
-    result["ours_stats"] = read_stats(stats)
     del llm
 
     # The cost-aware scheduler over vLLM's draft_model drafter; exploring every third step
@@ -114,6 +91,8 @@ def main(out_path: str) -> None:
     result["sched_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
     result["sched_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
     result["sched_spec"] = spec_counters(llm)
+    # The same prompts in another order: rows are reordered in vLLM's persistent batch.
+    result["sched_reversed"] = ids(llm.generate(prompts[::-1], greedy, use_tqdm=False))[::-1]
     del llm
 
     # What a request asks (pipeline.vllm_spec.request_args), with probabilistic drafting:
@@ -155,8 +134,10 @@ def main(out_path: str) -> None:
     result["sched_eagle3_spec"] = spec_counters(llm)
     del llm
 
-    # A KV cache too small for the batch: vLLM preempts requests and recomputes them later.
-    llm = engine(spec, num_gpu_blocks_override=6, block_size=32, max_model_len=160)
+    # A KV cache too small for the batch: vLLM preempts requests and recomputes them later
+    # (the draft's rows with them: the plugin's drafter catches a resumed row up).
+    small = {"num_gpu_blocks_override": 6, "block_size": 32, "max_model_len": 160}
+    llm = engine(drafted, explore, scheduler_cls=SCHEDULER, **small)
     long = SamplingParams(temperature=0, max_tokens=96)
     result["preempted"] = ids(llm.generate(prompts, long, use_tqdm=False))
     result["preemptions"] = sum(
@@ -165,19 +146,30 @@ def main(out_path: str) -> None:
         if m.name == "vllm:num_preemptions" and hasattr(m, "value")
     )
     del llm
-    llm = engine(None, num_gpu_blocks_override=6, block_size=32, max_model_len=160)
+    llm = engine(None, **small)
     result["preempted_plain"] = ids(llm.generate(prompts, long, use_tqdm=False))
     del llm
 
-    # A bad artifact is refused when the engine builds the proposer.
-    bad = {"SPECBOUND_PROPOSER": json.dumps({"costmodel": "/nonexistent/vllm_costmodel.json"})}
-    start = time.perf_counter()
-    try:
-        engine(spec, bad)
-        result["bad_artifact"] = "started"
-    except Exception as exc:  # noqa: BLE001 - what vLLM raises is the test's subject
-        result["bad_artifact"] = f"{type(exc).__name__}: {exc}"
-    result["bad_artifact_s"] = time.perf_counter() - start
+    # The step-cost calibration's vLLM side (jobs.calibrate_vllm's run) at a small size: the
+    # calibration drafter's random lengths and its records of every step (last: it sets
+    # SPECBOUND_CALIBRATION in this process's environment).
+    from pipeline.vllm_spec import calibration_run
+
+    folder = os.path.dirname(out_path)
+    calibration_run.run(
+        {
+            "target": TARGET,
+            "draft": DRAFT,
+            "k": 4,
+            "prompts": [p["prompt_token_ids"] for p in prompts],
+            "batch_sizes": [1, 4],
+            "max_tokens": 32,
+            "record": os.path.join(folder, "calibration.jsonl"),
+            "meta_out": os.path.join(folder, "calibration_meta.json"),
+            "max_model_len": 256,
+        }
+    )
+    result["calibration_records"] = os.path.join(folder, "calibration.jsonl")
     with open(out_path, "w") as f:
         json.dump(result, f)
 

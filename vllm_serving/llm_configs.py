@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.vllm_spec.config import ProposerConfig, check
 from pipeline.vllm_spec.methods import Method
 from pipeline.vllm_spec.step_planner import PlannerConfig
 from vllm_serving.settings import ServedModel, VllmAppArgs
@@ -47,11 +46,11 @@ def check_head(head: str, target: str) -> None:
 
 
 def speculation(
-    model: ServedModel, target: str, draft: str, dtype: str, device: str, head: str = ""
+    model: ServedModel, target: str, draft: str, head: str = ""
 ) -> tuple[dict | None, dict[str, Any], dict[str, str]]:
     """(vLLM's speculative_config or None, extra engine arguments, the engine's extra env) of
     one model id. Settings are checked here, at deploy, with their reason: vLLM reports a
-    proposer or scheduler that fails to build only as "Engine core initialization failed"."""
+    scheduler or drafter that fails to build only as "Engine core initialization failed"."""
     if model.speculation == "none":
         return None, {}, {}
     k = model.draft_length
@@ -64,10 +63,6 @@ def speculation(
     if model.speculation in ("ours", "ours-eagle3"):
         PlannerConfig(**model.policy)
         policy = model.policy
-    if model.speculation == "proposer":
-        knobs |= {"draft": draft, **model.policy}
-        proposer = ProposerConfig(**{key: v for key, v in knobs.items() if key != "k"})
-        check(proposer, target, dtype, device, vllm_version())
     entry = Method(model.name, model.speculation, knobs).entry(draft, head, policy)
     return entry["speculative_config"], entry.get("engine_kwargs", {}), entry.get("env", {})
 
@@ -82,8 +77,7 @@ def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:
     configs = []
     for model in args.models:
         dtype = args.dtype if args.dtype != "auto" or gpu else "float32"
-        device = "cuda" if gpu else "cpu"
-        spec, extra, extra_env = speculation(model, target, draft, dtype, device, head)
+        spec, extra, extra_env = speculation(model, target, draft, head)
         engine: dict[str, Any] = {
             "dtype": dtype,
             "enforce_eager": (not gpu) if args.enforce_eager is None else args.enforce_eager,
@@ -122,14 +116,6 @@ def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:
             }
         )
     return configs
-
-
-def vllm_version() -> str | None:
-    try:
-        import vllm
-    except ImportError:  # the settings are checked in the project's environment too
-        return None
-    return vllm.__version__
 
 
 def describe(args: VllmAppArgs) -> str:

@@ -17,21 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.vllm_spec.methods import DRAFT_SAMPLE_METHODS, METHOD_KNOBS
 
 # ours: vLLM's draft_model drafter, the draft length of every step chosen by the cost-aware
-# scheduler (pipeline.vllm_spec.scheduler); proposer: the cost-aware custom_class proposer
-# (pipeline.vllm_spec.proposer: our own draft forwards, per-row lengths); draft_model and
-# ngram: vLLM's own at a fixed K; eagle3: vLLM's EAGLE-3 drafter over the head at a fixed K;
-# ours-eagle3: that drafter under the cost-aware scheduler; none: no speculation.
-SPECULATION = ("ours", "ours-eagle3", "proposer", "draft_model", "eagle3", "ngram", "none")
+# scheduler (pipeline.vllm_spec.scheduler); draft_model and ngram: vLLM's own at a fixed K;
+# eagle3: vLLM's EAGLE-3 drafter over the head at a fixed K; ours-eagle3: that drafter under
+# the cost-aware scheduler; none: no speculation.
+SPECULATION = ("ours", "ours-eagle3", "draft_model", "eagle3", "ngram", "none")
 DEFAULT_K = {
     "ours": 4,
     "ours-eagle3": 4,
-    "proposer": 6,
     "draft_model": 2,
     "eagle3": 4,
     "ngram": 4,
     "none": 0,
 }
-POLICY_SETTINGS = ("ours", "ours-eagle3", "proposer")
+POLICY_SETTINGS = ("ours", "ours-eagle3")
 # The settings that take draft_sample_method (vLLM's draft_model drafts greedily by default,
 # ours probabilistically).
 SAMPLED_DRAFTING = tuple(m for m, knobs in METHOD_KNOBS.items() if "draft_sample_method" in knobs)
@@ -45,9 +43,8 @@ class ServedModel(BaseModel):
     name: str = Field("specbound", min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")
     speculation: str = "ours"  # of SPECULATION
     k: int | None = Field(None, ge=1, le=16)  # the longest draft; None: DEFAULT_K
-    # The cost-aware policy's settings: ours, pipeline.vllm_spec.step_planner.PlannerConfig's
-    # fields (SPECBOUND_SCHEDULER); proposer, pipeline.vllm_spec.config.ProposerConfig's
-    # (SPECBOUND_PROPOSER).
+    # The cost-aware scheduler's settings (ours, ours-eagle3):
+    # pipeline.vllm_spec.step_planner.PlannerConfig's fields (SPECBOUND_SCHEDULER).
     policy: dict[str, Any] = {}
     # How the draft model drafts at T > 0 (ours and draft_model): None is the method's default.
     draft_sample_method: str | None = None

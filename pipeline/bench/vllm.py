@@ -1,7 +1,7 @@
 """vLLM against itself and against our engine (jobs.bench_vllm): the same token prompts, per
 (domain, temperature, concurrency) cell, decoded by vLLM with each speculative method (none,
 its draft model at fixed K, n-gram, suffix, a per-batch-size K schedule, our cost-aware
-``custom_class`` proposer) and by our own engine (``ar``, fixed K, ``throughput``).
+scheduler over vLLM's drafters) and by our own engine (``ar``, fixed K, ``throughput``).
 
 vLLM runs in its own environment (pipeline.vllm_spec.env), so this module writes a spec,
 runs ``pipeline.bench.vllm_run_cells`` there as a subprocess and reads its results back; our

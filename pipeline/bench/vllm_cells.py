@@ -22,7 +22,6 @@ SPEC_COUNTERS = {
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
     "accepted": "vllm:spec_decode_num_accepted_tokens",
 }
-STATS_ENV = "SPECBOUND_PROPOSER_STATS"
 DRAFTER_STATS_ENV = "SPECBOUND_DRAFTER_STATS"  # pipeline.vllm_spec.stats's
 PLANNER_LOG_ENV = "SPECBOUND_PLANNER_LOG"  # pipeline.vllm_spec.scheduler's report lines
 
@@ -52,18 +51,18 @@ def spec_counters(llm: Any) -> dict[str, float]:
     return totals
 
 
-def counters(env: str, drafter: bool = False) -> dict[str, float] | None:
-    """The counters in the file ``$env`` names (pipeline.vllm_spec.stats: the proposer's, or
-    with ``drafter`` the plugin's drafter's), or None: no file named, no file yet, or the module
-    not there (the proposer and the plugin are written apart from this harness)."""
+def counters(env: str) -> dict[str, float] | None:
+    """The plugin's drafter's counters in the file ``$env`` names (pipeline.vllm_spec.stats),
+    or None: no file named, no file yet, or the module not there (the plugin is written apart
+    from this harness)."""
     path = os.environ.get(env)
     if not path or not os.path.exists(path):
         return None
     try:
-        from pipeline.vllm_spec.stats import read_drafter_stats, read_stats
+        from pipeline.vllm_spec.stats import read_drafter_stats
     except ImportError:
         return None
-    return (read_drafter_stats if drafter else read_stats)(path)
+    return read_drafter_stats(path)
 
 
 def _delta(after: dict | None, before: dict | None) -> dict | None:
@@ -154,7 +153,7 @@ def closed_loop(
 
 def run_cell(llm: Any, cell: dict, tag: str) -> dict:
     spec0 = spec_counters(llm)
-    prop0, drafter0 = counters(STATS_ENV), counters(DRAFTER_STATS_ENV, drafter=True)
+    drafter0 = counters(DRAFTER_STATS_ENV)
     res = closed_loop(
         llm,
         cell["prompts"],
@@ -169,8 +168,7 @@ def run_cell(llm: Any, cell: dict, tag: str) -> dict:
     drafts = spec["drafts"] if spec else 0.0
     res["mean_accepted_len"] = 1.0 + spec["accepted"] / drafts if drafts else None
     res["acceptance_rate"] = spec["accepted"] / spec["draft_tokens"] if drafts else None
-    res["proposer"] = _delta(counters(STATS_ENV), prop0)
-    res["drafter"] = _delta(counters(DRAFTER_STATS_ENV, drafter=True), drafter0)
+    res["drafter"] = _delta(counters(DRAFTER_STATS_ENV), drafter0)
     res.update({k: cell[k] for k in ("domain", "temperature", "concurrency", "max_tokens")})
     res["seed"] = int(cell.get("seed", 0))
     return res
@@ -224,7 +222,7 @@ def run_method(
     engine_kwargs: dict[str, Any] | None = None,
 ) -> dict:
     """Every cell on one engine: {"start_s", "cells": [...]}. One short warm-up generation
-    first (the engine's first steps are slow); the proposer's counters are read as deltas."""
+    first (the engine's first steps are slow); the drafter's counters are read as deltas."""
     max_num_seqs = max([int(c["concurrency"]) for c in cells] + [1])
     with _environ(env):
         t0 = time.perf_counter()

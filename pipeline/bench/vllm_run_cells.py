@@ -3,8 +3,8 @@
     python -m pipeline.bench.vllm_run_cells --spec spec.json --out results.json
 
 The spec: {"model", "max_model_len", "repeats", "methods": [{"name", "speculative_config"
-(null: no speculation), "env", "engine_kwargs" (e.g. scheduler_cls), "proposer_stats" (each
-optional)}], "cells": [{"domain", "temperature", "concurrency", "prompts" (token ids),
+(null: no speculation), "env", "engine_kwargs" (e.g. scheduler_cls), each optional}],
+"cells": [{"domain", "temperature", "concurrency", "prompts" (token ids),
 "max_tokens", "seed"}]}.
 
 Repeats are interleaved (for each repeat, every method: start an engine, run every cell, shut
@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.bench.vllm_cells import DRAFTER_STATS_ENV, PLANNER_LOG_ENV, STATS_ENV, run_method
+from pipeline.bench.vllm_cells import DRAFTER_STATS_ENV, PLANNER_LOG_ENV, run_method
 
 
 def _write(path: Path, results: dict) -> None:
@@ -70,10 +70,6 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
                 planner = out.with_name(f"{out.stem}.{slug}.r{rep}.planner")
                 planner.unlink(missing_ok=True)
                 env[PLANNER_LOG_ENV] = str(planner.resolve())
-            if method.get("proposer_stats"):
-                stats = out.with_name(f"{out.stem}.{slug}.r{rep}.stats")
-                stats.unlink(missing_ok=True)
-                env[STATS_ENV] = str(stats.resolve())
             progress(f"repeat {rep + 1}/{repeats}  {name}: starting vLLM")
             t0 = time.perf_counter()
             try:

@@ -4,9 +4,8 @@ to the best fixed-K draft model of that cell and to the floor ours must not lose
 (max(none, the best fixed K of the same drafter)); the ratios to none and to the floor are
 paired: the median over repeats of the ratio within each repeat (the methods of one repeat run
 back to back, so a host whose speed drifts slows both sides of a ratio alike), TPOT, mean
-accepted length, the share of steps the plugin's drafter skipped, and the proposer's share of
-each engine step; the pooled c = 1, T = 0 figure; T = 0 texts against vLLM's own greedy text
-and our engine's `ar`."""
+accepted length and the share of steps the plugin's drafter skipped; the pooled c = 1, T = 0
+figure; T = 0 texts against vLLM's own greedy text and our engine's `ar`."""
 
 from __future__ import annotations
 
@@ -36,29 +35,6 @@ def _med(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _proposer(results: list[dict]) -> dict | None:
-    """Proposer time per step, summed over repeats: propose (and decide) per call, and their
-    share of a whole engine step (step_s over the steps it timed)."""
-    stats = [r["proposer"] for r in results if r.get("proposer")]
-    if not stats:
-        return None
-    tot = {k: sum(s.get(k, 0.0) for s in stats) for k in stats[0]}
-    calls, steps = tot.get("calls", 0.0), tot.get("steps_timed", tot.get("calls", 0.0))
-    if not calls:
-        return None
-    step = tot.get("step_s", 0.0) / steps if steps else None
-    per = {k: tot.get(k, 0.0) / calls for k in ("propose_s", "draft_s", "decide_s")}
-    return {
-        "propose_ms": per["propose_s"] * 1e3,
-        "draft_ms": per["draft_s"] * 1e3,
-        "decide_ms": per["decide_s"] * 1e3,
-        "step_ms": step * 1e3 if step else None,
-        "propose_share": per["propose_s"] / step if step else None,
-        "decide_share": per["decide_s"] / step if step else None,
-        "drafted_per_call": tot.get("drafted", 0.0) / calls,
-    }
-
-
 def is_fixed_draft(label: str) -> bool:
     return label.startswith(("draft_model:", "eagle3:")) and "schedule" not in label
 
@@ -80,7 +56,6 @@ def summarize(runs: list[dict]) -> dict:
                 "tpot_ms": _ms(_med([r.get("tpot_s") for r in results])),
                 "ttft_ms": _ms(_med([r.get("ttft_s") for r in results])),
                 "accepted_len": _med([r.get("mean_accepted_len") for r in results]),
-                "proposer": _proposer(results),
                 "skipped": _skipped(results),
             }
         base = rows.get(BASE, {}).get("tok_s")
@@ -222,7 +197,6 @@ def format_tables(summary: dict, header: str) -> str:
     head = (
         f"  {'method':<42}{'tok/s':>8} {'min-max':>13}{'x none':>8}{'x best K':>9}"
         f"{'x floor':>8}{'min-max':>12}{'TPOT ms':>9}{'acc len':>8}{'skip':>6}"
-        f"{'prop ms':>8}{'share':>7}"
     )
     for cell in summary["cells"]:
         lines += [
@@ -232,7 +206,6 @@ def format_tables(summary: dict, header: str) -> str:
             head,
         ]
         for label, r in cell["methods"].items():
-            p = r["proposer"] or {}
             lines.append(
                 f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"
                 f"{_f(r['vs_none'], '.3f'):>8}{_f(r['vs_best_draft'], '.3f'):>9}"
@@ -244,7 +217,6 @@ def format_tables(summary: dict, header: str) -> str:
                 )
                 + f"{_f(r['tpot_ms'], '.2f'):>9}{_f(r['accepted_len'], '.2f'):>8}"
                 f"{_f(r.get('skipped'), '.0%'):>6}"
-                f"{_f(p.get('propose_ms'), '.2f'):>8}{_f(p.get('propose_share'), '.1%'):>7}"
             )
         lines.append("")
     lines.append(

@@ -1,5 +1,5 @@
 """jobs.calibrate_vllm's pipeline: decode prompts in vLLM (its own environment, by subprocess)
-with our proposer drawing random draft lengths, then fit the step records
+with the calibration drafter drawing random draft lengths, then fit the step records
 (pipeline.vllm_spec.step_fit) and save ``vllm_costmodel.json`` with its provenance."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeline.cost.batch import BatchCost
 from pipeline.vllm_spec import step_cost
+from pipeline.vllm_spec.calibration_drafter import CalibrationConfig, check_draft
 from pipeline.vllm_spec.env import engine_env, vllm_python
 from pipeline.vllm_spec.step_fit import fit_step_cost, read_records
 
@@ -41,6 +42,9 @@ def calibrate_vllm(
     top_k = int(config.get("num_experts_per_tok") or 0)
     if not experts or not top_k:
         raise ValueError(f"{target} is not an MoE checkpoint (no num_experts / top-k)")
+    # The drafter's own check, here: in vLLM's worker its error would read "Engine core
+    # initialization failed".
+    check_draft(CalibrationConfig(draft=str(draft)), target)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="calibrate_vllm_") as tmp:
         spec = {

@@ -1,6 +1,6 @@
-"""The vLLM side of jobs.calibrate_vllm: decode token prompts through vLLM with our proposer
-drafting a random length k ~ U{0..K} per row and step (a designed spread of positions per
-pass at every batch size), recording every step (pipeline.vllm_spec.proposer).
+"""The vLLM side of jobs.calibrate_vllm: decode token prompts through vLLM with the calibration
+drafter drafting a random length k ~ U{0..K} per row and step (a designed spread of positions
+per pass at every batch size), recording every step (pipeline.vllm_spec.calibration_drafter).
 
     python -m pipeline.vllm_spec.calibration_run --spec spec.json   # in the vLLM env
 """
@@ -19,13 +19,13 @@ def run(spec: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from pipeline.vllm_spec.config import CLASS_PATH, ENV, ProposerConfig
+    from pipeline.vllm_spec.calibration_drafter import CLASS_PATH, ENV, CalibrationConfig
 
     record = spec["record"]
     if os.path.exists(record):
         os.remove(record)
-    os.environ[ENV] = ProposerConfig(
-        draft=spec["draft"], design="random", record=record, seed=spec.get("seed", 0)
+    os.environ[ENV] = CalibrationConfig(
+        draft=spec["draft"], record=record, seed=spec.get("seed", 0)
     ).to_env()
     llm = LLM(
         model=spec["target"],
@@ -47,7 +47,7 @@ def run(spec: dict) -> None:
         for wave in range(0, len(prompts), size):
             llm.generate(prompts[wave : wave + size], params, use_tqdm=False)
         print(f"batch size {size}: done at {time.perf_counter() - start:.1f} s", flush=True)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # the proposer flushes its records
+    llm.generate(prompts[:1], params, use_tqdm=False)  # the drafter flushes its records
     Path(spec["meta_out"]).write_text(json.dumps({"vllm_version": vllm.__version__}))
     del llm
 

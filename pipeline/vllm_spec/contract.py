@@ -1,10 +1,10 @@
-"""What vLLM 0.32 asks of a ``custom_class`` proposer (read from vllm/v1/spec_decode and
-vllm/v1/worker/gpu_model_runner.py), in one place.
+"""What vLLM 0.32 asks of a ``custom_class`` drafter, vLLM's "proposer" (read from
+vllm/v1/spec_decode and vllm/v1/worker/gpu_model_runner.py), in one place.
 
 * Built as ``Class(vllm_config)`` in the worker process, before the target is loaded;
   ``speculative_config.num_speculative_tokens`` is K, the longest proposal.
-* ``load_model(target_model)`` once the target is loaded (optional for vLLM; ours hooks the
-  target's MoE gates there in calibration runs).
+* ``load_model(target_model)`` once the target is loaded (optional for vLLM; the calibration
+  drafter hooks the target's MoE gates there).
 * ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None)`` after
   every engine step, for every row of the persistent batch: ``sampled_token_ids[i]`` the
   tokens row i committed this step (empty while its prompt is still being prefilled),
@@ -23,7 +23,7 @@ import numpy as np
 
 
 @runtime_checkable
-class VllmProposer(Protocol):
+class CustomClassDrafter(Protocol):
     def load_model(self, *args: Any, **kwargs: Any) -> None: ...
 
     def propose(

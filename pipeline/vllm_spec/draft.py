@@ -1,5 +1,6 @@
-"""The project's draft model inside the proposer: every row's new tokens in ONE packed forward
-(pipeline.models.slots), so a draft round costs one forward for the whole batch."""
+"""The project's draft model inside the calibration drafter (pipeline.vllm_spec.
+calibration_drafter): every row's new tokens in ONE packed forward (pipeline.models.slots), so
+a draft round costs one forward for the whole batch."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def vllm_python() -> Path:
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a vLLM subprocess runs with: this one, the engine defaults where unset,
-    the repository on PYTHONPATH (the proposer's module must import in vLLM's workers)."""
+    the repository on PYTHONPATH (the project's modules must import in vLLM's workers)."""
     env = dict(os.environ)
     for key, value in ENGINE_ENV.items():
         env.setdefault(key, value)

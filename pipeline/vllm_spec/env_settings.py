@@ -1,5 +1,5 @@
 """Settings that travel to vLLM's processes in an environment variable: a JSON object of a
-dataclass's fields (vLLM builds our proposer and scheduler from its own config alone)."""
+dataclass's fields (vLLM builds our drafter and scheduler from its own config alone)."""
 
 from __future__ import annotations
 

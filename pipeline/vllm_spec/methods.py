@@ -5,9 +5,8 @@ items parsed, checked and expanded, k=A..B: one method per K, before any engine 
 
 Names: ``ours`` is the cost-aware scheduler (pipeline.vllm_spec.scheduler) over vLLM's
 ``draft_model`` drafter with probabilistic drafting, ``ours-eagle3`` the same scheduler over
-vLLM's EAGLE-3 drafter, ``proposer`` the ``custom_class`` proposer
-(pipeline.vllm_spec.proposer); ``draft_model``, ``eagle3``, ``ngram``, ``suffix`` are vLLM's
-own at a fixed K, ``none`` no speculation."""
+vLLM's EAGLE-3 drafter; ``draft_model``, ``eagle3``, ``ngram``, ``suffix`` are vLLM's own at
+a fixed K, ``none`` no speculation."""
 
 from __future__ import annotations
 
@@ -15,12 +14,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROPOSER_CLASS = "pipeline.vllm_spec.proposer.CostAwareProposer"
 SCHEDULER_CLASS = "pipeline.vllm_spec.scheduler.CostAwareScheduler"
 # The committed EAGLE-3 head of the embedded target (jobs.train_tiny --head-for).
 DEFAULT_HEAD = str(Path(__file__).resolve().parents[2] / "models" / "eagle3-head")
-# Knobs each method takes; any other knob of `proposer` is a proposer setting
-# (SPECBOUND_PROPOSER), any other knob of `ours` and `ours-eagle3` a scheduler setting
+# Knobs each method takes; any other knob of `ours` and `ours-eagle3` is a scheduler setting
 # (SPECBOUND_SCHEDULER: PlannerConfig's fields, e.g. design=off, decay=0.8).
 METHOD_KNOBS: dict[str, set[str]] = {
     "none": set(),
@@ -30,7 +27,6 @@ METHOD_KNOBS: dict[str, set[str]] = {
     "eagle3": {"k", "head"},
     "ngram": {"k", "min", "max"},
     "suffix": {"k"},
-    "proposer": {"k"},
 }
 DRAFTERS = {"ours": "draft_model", "ours-eagle3": "eagle3"}  # vLLM's drafter under ours
 # How vLLM's draft_model drafts at T > 0: the argmax, or a sample whose probabilities enter
@@ -51,8 +47,8 @@ class Method:
     knobs: dict = field(default_factory=dict)
 
     def entry(self, draft: str, head: str = DEFAULT_HEAD, policy: dict | None = None) -> dict:
-        """The vllm_run_cells method entry: speculative_config, engine kwargs and env, proposer
-        stats. ``policy``: the scheduler's settings for ours and ours-eagle3 (PlannerConfig
+        """The vllm_run_cells method entry: speculative_config, engine kwargs and env.
+        ``policy``: the scheduler's settings for ours and ours-eagle3 (PlannerConfig
         fields; the method's own scheduler knobs add to them)."""
         k, knobs = self.knobs.get("k"), self.knobs
         if self.name == "none":
@@ -77,11 +73,6 @@ class Method:
             config.update(
                 {f"prompt_lookup_{b}": int(knobs[b]) for b in ("min", "max") if b in knobs}
             )
-        elif name == "proposer":
-            config.update(method="custom_class", model=PROPOSER_CLASS)
-            settings = {key: v for key, v in knobs.items() if key != "k"}
-            entry["env"] = {"SPECBOUND_PROPOSER": json.dumps(settings)}
-            entry["proposer_stats"] = True
         if self.name in DRAFTERS:
             entry["engine_kwargs"] = {"scheduler_cls": SCHEDULER_CLASS}
             own = {key: v for key, v in knobs.items() if key not in METHOD_KNOBS[self.name]}
@@ -113,7 +104,7 @@ def _value(text: str):
 
 
 def parse_methods(text: str) -> list[Method]:
-    """'none,draft_model:k=1..3,proposer:k=6:temperature=1' -> Methods; k=A..B expands."""
+    """'none,draft_model:k=1..3,ours:k=4:design=fixed' -> Methods; k=A..B expands."""
     out: list[Method] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -151,7 +142,7 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
             PlannerConfig(**own)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"method {item!r}: {exc}") from None
-    elif name != "proposer":
+    else:
         bad = set(knobs) - METHOD_KNOBS[name]
         if bad:
             raise ValueError(
@@ -159,7 +150,7 @@ def _expand(name: str, knobs: dict, item: str) -> list[Method]:
                 f"{', '.join(sorted(METHOD_KNOBS[name])) or 'none'})"
             )
     k = knobs.get("k")
-    if name in ("draft_model", "eagle3", "ours", "ours-eagle3", "proposer", "ngram") and k is None:
+    if name in ("draft_model", "eagle3", "ours", "ours-eagle3", "ngram") and k is None:
         raise ValueError(f"method {item!r} needs k=<draft tokens> (or k=A..B)")
     ks = [None]
     if k is not None:

@@ -1,21 +1,20 @@
 """Which draft state belongs to which batch row, found from the tokens alone.
 
-vLLM hands a ``custom_class`` proposer no request ids: only each row's committed tokens. Rows
-are reordered, requests are preempted (their text recomputed later), finish and are replaced,
-and a row's text may not be what the proposer last saw. So a state is matched to a row by
-its tokens: among the states whose first KEY tokens are the row's, the one sharing the
-longest prefix with the row's text. Its draft cache is then cut to that common prefix and fed
-the rest, so a state is never wrong whatever happened in between, only sometimes more
-expensive to bring up to date (a prefill). States nobody claims for a while are released.
+vLLM hands a ``custom_class`` drafter (pipeline.vllm_spec.calibration_drafter) no request ids:
+only each row's committed tokens. Rows are reordered, requests are preempted (their text
+recomputed later), finish and are replaced, and a row's text may not be what the drafter last
+saw. So a state is matched to a row by its tokens: among the states whose first KEY tokens
+are the row's, the one sharing the longest prefix with the row's text. Its draft cache is then
+cut to that common prefix and fed the rest, so a state is never wrong whatever happened in
+between, only sometimes more expensive to bring up to date (a prefill). States nobody claims
+for a while are released.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-
-from pipeline.acceptance.features import NgramIndex
 
 KEY = 8  # leading tokens that index the states
 STALE_STEPS = 64  # a state unclaimed this many steps is released (its request ended)
@@ -25,13 +24,6 @@ STALE_STEPS = 64  # a state unclaimed this many steps is released (its request e
 class DraftState:
     slot: int  # the state's block in the draft's slot cache
     cached: np.ndarray  # the tokens in that block, in order (its length is the cache's)
-    index: NgramIndex = field(default_factory=NgramIndex)  # the committed text's n-grams
-    recent: float | None = None  # moving average of acceptance outcomes
-    offset: float | None = None  # the acceptance model's logit correction for this request
-    proposed: list[int] = field(default_factory=list)  # the last proposal
-    proposed_at: int = -1  # committed length when it was made
-    predicted: list[float] = field(default_factory=list)  # its tokens' modelled acceptance
-    plain_run: int = 0  # steps in a row without a proposal
     last_step: int = 0
 
     def common_prefix(self, tokens: np.ndarray) -> int:
@@ -40,21 +32,6 @@ class DraftState:
             return 0
         differ = np.flatnonzero(self.cached[:n] != tokens[:n])
         return int(differ[0]) if len(differ) else n
-
-    def outcome(self, tokens: np.ndarray) -> int | None:
-        """How many of the last proposal's tokens the row's text now continues with (what
-        verification accepted: a rejected token is replaced by one it never equals), or None
-        when the text does not continue from where the proposal was made."""
-        if not self.proposed or len(tokens) <= self.proposed_at:
-            return None
-        start = self.proposed_at
-        got = tokens[start : start + len(self.proposed)]
-        accepted = 0
-        for proposed, committed in zip(self.proposed, got.tolist(), strict=False):
-            if proposed != committed:
-                break
-            accepted += 1
-        return accepted
 
 
 class StateTable:

@@ -1,6 +1,7 @@
-"""The proposer's counters, shared with whoever started the engine: vLLM runs the proposer in
-a worker process of its own, so the counters live in a small memory-mapped file (writing one
-costs nothing measurable; the bench reads deltas around each cell)."""
+"""The catch-up drafter's counters (pipeline.vllm_spec.catch_up_draft), shared with whoever
+started the engine: vLLM runs the drafter in a worker process of its own, so the counters live
+in a small memory-mapped file (writing one costs nothing measurable; the bench reads deltas
+around each cell)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-STAT_FIELDS = (
-    "calls",  # propose() calls (engine steps)
-    "propose_s",  # total time inside propose()
-    "draft_s",  # of which in the draft's forwards
-    "decide_s",  # of which outside them: matching rows, features, the plan
-    "drafted",  # tokens proposed
-    "rows",  # batch rows seen (sum over calls)
-    "step_s",  # wall time of whole engine steps (end of one propose to the end of the next)
-    "steps_timed",  # steps step_s covers (the first call has no previous end)
-    "draft_rounds",  # packed draft forwards
-    "plain_steps",  # steps that proposed nothing and ran no draft forward
-    "verified",  # rows whose last proposal's outcome was seen
-    "accepted",  # proposed tokens those rows accepted
-)
-ENV = "SPECBOUND_PROPOSER_STATS"
 # The catch-up drafter's counters (pipeline.vllm_spec.catch_up_draft), when this names a file.
 DRAFTER_STATS_ENV = "SPECBOUND_DRAFTER_STATS"
 DRAFTER_FIELDS = (
@@ -43,7 +29,7 @@ class StatsFile:
     def __init__(
         self,
         path: str | os.PathLike[str] | None,
-        fields: tuple[str, ...] = STAT_FIELDS,
+        fields: tuple[str, ...] = DRAFTER_FIELDS,
         create: bool = True,
     ) -> None:
         n = len(fields)
@@ -64,19 +50,14 @@ class StatsFile:
         return dict(zip(self.fields, (float(v) for v in self.values), strict=True))
 
 
-def read_stats(
-    path: str | os.PathLike[str], fields: tuple[str, ...] = STAT_FIELDS
-) -> dict[str, float]:
-    """The counters written at ``path`` (all 0 when nothing has started yet)."""
-    if not Path(path).exists() or Path(path).stat().st_size < 8 * len(fields):
-        return dict.fromkeys(fields, 0.0)
-    values = np.fromfile(path, dtype=np.float64, count=len(fields))
-    return dict(zip(fields, (float(v) for v in values), strict=True))
-
-
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before.get(name, 0.0) for name in after}
 
 
 def read_drafter_stats(path: str | os.PathLike[str]) -> dict[str, float]:
-    return read_stats(path, DRAFTER_FIELDS)
+    """The counters written at ``path`` (all 0 when nothing has started yet)."""
+    fields = DRAFTER_FIELDS
+    if not Path(path).exists() or Path(path).stat().st_size < 8 * len(fields):
+        return dict.fromkeys(fields, 0.0)
+    values = np.fromfile(path, dtype=np.float64, count=len(fields))
+    return dict(zip(fields, (float(v) for v in values), strict=True))

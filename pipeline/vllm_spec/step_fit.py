@@ -1,10 +1,11 @@
-"""Fitting vLLM's step costs (pipeline.vllm_spec.step_cost) to the proposer's step records.
+"""Fitting vLLM's step costs (pipeline.vllm_spec.step_cost) to the calibration drafter's step
+records (pipeline.vllm_spec.calibration_drafter).
 
-Every record is one engine step as the proposer saw it: the time from the end of one
+Every record is one engine step as the drafter saw it: the time from the end of one
 proposal to the start of the next (vLLM's scheduling, the target's pass, sampling and
 verification), the positions that pass verified and the mean union of experts per MoE layer
 it routed to (a hook on vLLM's gates), the attention work A = sum_r n_r L_r, and the
-proposer's own draft forwards and decision time. Steps whose pass held tokens the proposer
+drafter's own draft forwards and decision time. Steps whose pass held tokens the drafter
 did not schedule (a new request's prefill) are left out of the target's fit. Ordinary least
 squares (statsmodels); the union's growth is fitted in log space through the origin.
 """
