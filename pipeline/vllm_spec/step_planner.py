@@ -44,6 +44,11 @@ class PlannerConfig:
     # the intercept and the row term. Off by default: at one request they cost about 2% of
     # the tokens, and no gain at 8 was measured (docs/serving_vllm.md).
     measure_off_every: int = 0
+    # After this many choices of 0 in a row where rows may draft, one step drafts the best
+    # k >= 1 (0: never). At k = 0 nothing measures acceptance or what a drafted step costs, so
+    # a model that has drifted against drafting stays there: at 8 ShareGPT requests half the
+    # engines sat at k = 0 from the start (docs/results/vllm_lock_at_zero_sharegpt_c8).
+    unlock_every: int = 32
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
     # Per step, the share by which acceptance evidence fades back to the prior (the offline
@@ -79,6 +84,8 @@ class PlannerConfig:
             raise ValueError(
                 f"prior_cost: {len(TERMS)} numbers ({', '.join(TERMS)}); precision > 0"
             )
+        if self.unlock_every < 0:
+            raise ValueError(f"unlock_every {self.unlock_every}: 0 (never) or more")
         if self.measure_off_every < 0:
             raise ValueError(f"measure_off_every {self.measure_off_every}: 0 (never) or more")
         if self.design not in ("policy", "fixed", "off"):
@@ -121,6 +128,8 @@ class StepPlanner:
         self.switches = 0
         self._last_k = -1
         self._since_off = 0  # choices since the last such pair
+        self.unlocked = 0  # steps drafted after unlock_every choices of 0 (a report)
+        self._at_zero = 0  # choices of 0 in a row
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
 
@@ -228,7 +237,8 @@ class StepPlanner:
             f"step ms coefficients {self.cost.coefficients()}; "
             f"{self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
             f"left unverified; {self.held_off} row-steps held off by their request; "
-            f"{self.measured_off} steps held at 0 to measure drafting; "
+            f"{self.measured_off} steps held at 0 to measure drafting; {self.unlocked} "
+            f"drafted after {self.config.unlock_every} at 0; "
             f"{self.cost.report()}"
         )
 
@@ -268,11 +278,18 @@ class StepPlanner:
             return int(self.rng.integers(0, top + 1))
         rates = np.array([self.rate(r) for r in request_ids])
         rows = len(request_ids)
-        best_k, best = 0, -1.0
+        worth = []
         for k in range(top + 1):
             positions = float(np.sum(1 + np.minimum(k, caps)))
             ms = max(self.step_ms(positions, k, rows), 1e-3)
-            worth = self.expected_tokens(rates, k, caps) / ms
-            if worth > best:
-                best_k, best = k, worth
-        return best_k
+            worth.append(self.expected_tokens(rates, k, caps) / ms)
+        best_k = int(np.argmax(worth))
+        if best_k > 0:
+            self._at_zero = 0
+            return best_k
+        self._at_zero += 1
+        if self.config.unlock_every and self._at_zero >= self.config.unlock_every:
+            self._at_zero = 0
+            self.unlocked += 1
+            return 1 + int(np.argmax(worth[1:]))
+        return 0
