@@ -22,7 +22,6 @@ class PackedDraft:
         self.device = torch.device(device)
         self.cache = SlotCache(self.model.config.num_hidden_layers, rows=rows, capacity=256)
         self.forward_s = 0.0  # time in forwards since the owner last reset it
-        self.forwards = 0
         self.records: list[tuple[int, int, float]] = []  # (rows, tokens, ms) per forward
 
     def acquire(self) -> int:
@@ -68,6 +67,5 @@ class PackedDraft:
         logits = self.model.lm_head(hidden).float()
         elapsed = time.perf_counter() - start
         self.forward_s += elapsed
-        self.forwards += 1
         self.records.append((len(parts), len(ids), elapsed * 1e3))
         return logits, hidden
