@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.vllm_spec.env import engine_env, vllm_python
@@ -61,6 +62,36 @@ def test_a_draft_that_skips_steps_proposes_what_one_that_never_skipped_does(scen
     assert scenarios[run]["text"] == scenarios["plain"]
     if kind == "skipped_flushing":
         assert stats["flushed"] > 0  # a full backlog ran the forward at k = 0
+
+
+@pytest.mark.slow
+def test_a_request_on_a_cached_prefix_the_draft_skipped_proposes_as_if_it_had_not(scenarios):
+    """vLLM's prefix cache holds the draft's KV with the target's: blocks written while the
+    draft skipped hold none, and a later request hitting them is caught up from the first
+    stale block (proposals equal to the same request computing its prefix itself); without
+    that check it drafts from the stale KV (the comparison has power)."""
+    runs = scenarios["cached_prefix"]
+    assert runs["prefix_hits"] >= 2 * 7 * 32  # both later requests hit the held prefix
+    for check in (True, False):
+        ours, reference = runs[f"check_{check}"], runs[f"reference_{check}"]
+        common = sorted(set(ours) & set(reference))
+        assert len(common) >= 8, "too few proposals at the same committed text to compare"
+        differ = sum(ours[key] != reference[key] for key in common)
+        assert (differ == 0) if check else (differ > 0)
+
+
+@pytest.mark.slow
+def test_a_catch_up_that_does_not_fit_beside_a_prefill_chunk_waits_instead_of_overflowing(
+    scenarios,
+):
+    """Rows with missed tokens beside a long prompt's prefill chunks in drafting steps: the
+    first pass stays within the drafter's token buffers (writing past them corrupted the
+    worker's heap and killed the engine); the rows left behind catch up later."""
+    crowded = scenarios["crowded"]
+    assert crowded["stats"]["deferred"] > 0
+    assert crowded["stats"]["caught_up"] > 0
+    assert crowded["text"] == scenarios["crowded_plain"]["text"]
+    assert len(crowded["text"]) == 8
 
 
 @pytest.mark.slow
@@ -149,3 +180,28 @@ def test_version_and_parts_are_checked():
     assert parts({"SPECBOUND_VLLM_PLUGIN": ""}) == ()
     with pytest.raises(ValueError, match="unknown part"):
         parts({"SPECBOUND_VLLM_PLUGIN": "kernels,turbo"})
+
+
+def test_stale_blocks_follow_skips_writes_cached_prefixes_and_resumes():
+    from pipeline.vllm_spec.stale_blocks import StaleBlocks
+
+    blocks = StaleBlocks(block_size=4)
+    a = np.array([7, 3, 9, 5])
+    assert blocks.first_stale("a", a, 0) is None  # a fresh prompt computes its own KV
+    blocks.skipped(a, 0, 10)  # positions 0-9: blocks 7, 3, 9
+    assert blocks.stale == {7, 3, 9}
+    assert blocks.first_stale("a", a, 10) is None  # its own next step: not a cached prefix
+    b = np.array([7, 3, 2, 6])
+    assert blocks.first_stale("b", b, 8) == 0  # starts on cached blocks 7 and 3, both stale
+    assert blocks.first_stale("b", b, 8) is None  # twice in a step: the same answer once
+    blocks.written("b", b, 12)  # b caught up: 7, 3 and its own 2 hold draft KV now
+    assert blocks.stale == {9}
+    assert blocks.first_stale("a", a, 14) is None
+    assert blocks.first_stale("a", a, 12) == 8  # a resumed after preemption: 7, 3 fresh, 9 not
+    c = np.array([9, 1])
+    assert blocks.first_stale("c", c, 4) == 0
+    blocks.leave("c", 4)  # c drafts on over its stale prefix (an EAGLE head cannot catch up)
+    blocks.written("c", c, 6)
+    assert blocks.stale == {9}
+    blocks.forget({"a"})
+    assert set(blocks.last_start) == {"a"} and not blocks.left_stale

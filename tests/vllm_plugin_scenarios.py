@@ -64,6 +64,99 @@ class StretchScheduler(Scheduler):
         super().update_draft_token_ids(draft_token_ids)
 
 
+HOLD = [False]  # HoldScheduler drafts nothing while set
+
+
+class HoldScheduler(StretchScheduler):
+    """K draft tokens at every step (recorded), none while ``HOLD[0]`` is set."""
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        output = super().schedule(*args, **kwargs)
+        if HOLD[0]:
+            output.num_spec_tokens_to_schedule = 0
+        return output
+
+
+def cached_prefix() -> dict:
+    """A request whose every step skipped the draft leaves its prompt's blocks in vLLM's
+    prefix cache without draft KV; a later request on that prefix drafts. Its proposals, with
+    the stale-prefix check off and on (each on a prefix of its own), and those of the same
+    request computing its prefix itself (reading no cache): the reference."""
+    from vllm import SamplingParams
+
+    from pipeline.vllm_spec.catch_up_draft import CatchUp
+
+    module = importlib.import_module("vllm_plugin_scenarios")
+    os.environ[STRETCHES_ENV] = "{}"
+    sched = "vllm_plugin_scenarios.HoldScheduler"
+    llm = engine(DRAFTERS["draft"], scheduler_cls=sched, block_size=32)
+    first = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    later = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    uncached = SamplingParams(
+        temperature=0, max_tokens=48, ignore_eos=True, skip_reading_prefix_cache=True
+    )
+
+    def drafted(llm, prompt: str, params) -> dict[str, list[int]]:
+        module.RECORDS.clear()
+        llm.generate([prompt], params, use_tqdm=False)
+        return {str(n): p for _, n, p in module.RECORDS}
+
+    result: dict = {}
+    for check, texts in ((False, TEXTS), (True, TEXTS[::-1])):
+        prefix = " ".join(texts) * 2  # 238 tokens: 7 full blocks of 32
+        CatchUp.check_prefix = check
+        module.HOLD[0] = True
+        llm.generate([prefix], first, use_tqdm=False)
+        module.HOLD[0] = False
+        result[f"check_{check}"] = drafted(llm, prefix + "\n# next", later)
+        result[f"reference_{check}"] = drafted(llm, prefix + "\n# next", uncached)
+    CatchUp.check_prefix = True
+    metrics = llm.get_metrics()
+    hits = [m.value for m in metrics if m.name == "vllm:prefix_cache_hits" and hasattr(m, "value")]
+    result["prefix_hits"] = sum(hits)
+    del llm
+    return result
+
+
+def crowded(spec: dict | None) -> dict:
+    """Seven requests decode with the draft held off for 40 steps (a backlog of missed tokens
+    each), then a long prompt arrives and every step drafts: its prefill chunks fill the
+    drafter's token buffers (max_num_batched_tokens 256), leaving no room for the others'
+    catch-up in those steps. Greedy text per request, and the drafter's counters."""
+    from vllm import SamplingParams
+
+    from pipeline.vllm_spec.stats import read_drafter_stats
+
+    hold = importlib.import_module("vllm_plugin_scenarios").HOLD
+    stats_path = os.path.join(os.environ["SPECBOUND_TEST_DIR"], f"drafter_crowded_{bool(spec)}")
+    os.environ["SPECBOUND_DRAFTER_STATS"] = stats_path
+    os.environ[STRETCHES_ENV] = "{}"
+    sched = {"scheduler_cls": "vllm_plugin_scenarios.HoldScheduler"} if spec else {}
+    llm = engine(
+        spec, max_model_len=1024, max_num_batched_tokens=256, enable_chunked_prefill=True, **sched
+    )
+    core = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    texts: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in core.step():
+            if out.finished:
+                texts[out.request_id] = list(out.outputs[0].token_ids)
+
+    hold[0] = spec is not None
+    for i, text in enumerate(TEXTS[:7]):
+        core.add_request(str(i), text, params)
+    for _ in range(40):
+        step()
+    hold[0] = False
+    core.add_request("long", " ".join(TEXTS) * 8, params)
+    while core.has_unfinished_requests():
+        step()
+    del llm
+    return {"text": texts, "stats": read_drafter_stats(stats_path)}
+
+
 def proposals(
     params,
     skip: bool,
@@ -136,6 +229,9 @@ def main(out_path: str) -> None:
         result[f"{tag}skipped_stale"] = proposals(
             greedy, skip=True, seed=1, catch_up=False, drafter=name
         )
+    result["cached_prefix"] = cached_prefix()
+    result["crowded_plain"] = crowded(None)
+    result["crowded"] = crowded(DRAFTERS["draft"])
     # The target drafting for itself at T = 1: identical distributions accept every token.
     sampled = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
     for method in ("probabilistic", "greedy"):

@@ -16,10 +16,12 @@ are kept per request (CPU memory: the tapped width x 4 bytes per missed token, e
 the embedded target, 48 KB for three taps of a 4096-wide model) until it catches up.
 
 Bounded: when skipping a step would leave more than ``backlog_tokens`` missed tokens in the
-batch (default half the drafter's token buffers, ``max_num_batched_tokens``), the step runs its
-(extended) first pass anyway and proposes nothing, as vLLM does; the backlog is then empty.
-Counters (steps, skipped, caught-up tokens) go to the memory-mapped file named by
-``SPECBOUND_DRAFTER_STATS`` when set.
+batch (default half ``max_num_batched_tokens``, the drafter's buffers), the step runs its
+(extended) first pass anyway and proposes nothing, as vLLM does. A pass never outgrows the
+buffers: a row whose catch-up does not fit beside the step's tokens is left behind for a later
+pass, drafting from its stale KV meanwhile (writing past them corrupted the worker's heap).
+Under prefix caching, cached blocks the draft skipped are caught up too (stale_blocks).
+Counters go to the memory-mapped file named by ``SPECBOUND_DRAFTER_STATS`` when set.
 """
 
 from __future__ import annotations
@@ -32,15 +34,9 @@ import torch
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from pipeline.vllm_spec.stale_blocks import StaleBlocks
 from pipeline.vllm_spec.stats import DRAFTER_FIELDS, DRAFTER_STATS_ENV, StatsFile
-
-
-def step_rows(cad) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's first position this step (its computed tokens) and its scheduled tokens."""
-    batch = cad.batch_size()
-    lens = cad.naive_query_lens()[:batch].cpu().numpy().astype(np.int64)
-    starts = cad.seq_lens[:batch].cpu().numpy().astype(np.int64) - lens
-    return starts, lens
+from pipeline.vllm_spec.step_rows import block_ids, step_rows
 
 
 class CatchUp:
@@ -48,6 +44,8 @@ class CatchUp:
 
     # False only in tests: skip without catching up (the stale draft the catch-up prevents).
     catch_up = True
+    # False only in tests: take a cached prefix's draft KV as it is, stale or not.
+    check_prefix = True
     # Missed tokens a batch may carry before a k = 0 step runs its forward anyway; None: half
     # the drafter's token buffers (max_num_batched_tokens).
     backlog_limit: int | None = None
@@ -65,6 +63,9 @@ class CatchUp:
         self.backlog_tokens = self.max_num_tokens // 2 if limit is None else limit
         path = os.environ.get(DRAFTER_STATS_ENV)
         self.stats = StatsFile(path, DRAFTER_FIELDS, create=False) if path else None
+        self._caching = vllm_config.cache_config.enable_prefix_caching
+        # Built at the first step: vLLM sets the drafter's block size after __init__.
+        self.stale: StaleBlocks | None = None
         # Set by the runner's shortcut (pipeline.vllm_spec.free_when_off) when it has already
         # asked skip_step for this k = 0 step and been told to run the forward.
         self._decided_by_runner = False
@@ -73,16 +74,37 @@ class CatchUp:
         if self.stats is not None:
             self.stats.add(**deltas)
 
+    def _note_prefixes(self, req_ids: list[str], starts: np.ndarray, table: np.ndarray) -> None:
+        """A row starting on a cached prefix with stale blocks misses their positions (an
+        EAGLE head cannot catch up there: the target's hidden states of a cached prefix are
+        gone; nor can a row whose catch-up would pass ``backlog_tokens``: both are counted)."""
+        if self._caching and self.stale is None:
+            self.stale = StaleBlocks(self.block_size)
+        if self.stale is None:
+            return
+        for i, req_id in enumerate(req_ids):
+            start = int(starts[i])
+            first = self.stale.first_stale(req_id, table[i], start)
+            if first is None or not self.check_prefix:
+                continue
+            if self.pass_hidden_states_to_model or start - first > self.backlog_tokens:
+                self._count(stale_prefix=start - first)
+                self.stale.leave(req_id, start)
+            else:
+                self.missed_from[req_id] = min(self.missed_from.get(req_id, first), first)
+
     def skip_step(
         self,
         req_ids: list[str],
         starts: np.ndarray,
         lens: np.ndarray,
-        hidden: torch.Tensor | None = None,
+        hidden: torch.Tensor | None,
+        table: np.ndarray,
     ) -> bool:
         """Skip this k = 0 step's draft forward (True, remembering what each row misses and,
         for a drafter that reads them, the step's target hidden states), or run it to empty a
-        backlog that would pass ``backlog_tokens`` (False)."""
+        backlog that would pass ``backlog_tokens`` (False). ``table``: the rows' block ids."""
+        self._note_prefixes(req_ids, starts, table)
         ends = starts + lens
         backlog = sum(
             int(end) - self.missed_from.get(r, int(s))
@@ -93,12 +115,14 @@ class CatchUp:
             self._count(flushed=1)
             return False
         offset = 0
-        for req_id, start, n in zip(req_ids, starts, lens, strict=True):
+        for i, (req_id, start, n) in enumerate(zip(req_ids, starts, lens, strict=True)):
             self.missed_from[req_id] = min(self.missed_from.get(req_id, int(start)), int(start))
             if self.pass_hidden_states_to_model and hidden is not None:
                 chunk = hidden[offset : offset + int(n)].to("cpu", copy=True)
                 self.missed_hidden.setdefault(req_id, []).append((int(start), chunk))
             offset += int(n)
+            if self.stale is not None:
+                self.stale.skipped(table[i], int(start), int(start) + int(n))
         self._last_draft_probs = None
         self._count(skipped=1)
         return True
@@ -120,17 +144,24 @@ class CatchUp:
         batch = cad.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch])
         starts, lens = step_rows(cad)
+        table = block_ids(cad)
         # Under async scheduling the runner's committed tokens on the CPU may trail the step
         # (vLLM keeps the last sampled ones on the device), so the catch-up could not read
         # them: there the drafter runs every step as vLLM does.
         skippable = not getattr(self.runner, "use_async_scheduling", False)
         if num_speculative_tokens == 0 and skippable and not self._decided_by_runner:
-            if self.skip_step(req_ids, starts, lens, target_hidden_states):
+            if self.skip_step(req_ids, starts, lens, target_hidden_states, table):
                 return torch.empty(batch, 0, dtype=torch.int64, device=target_token_ids.device)
         elif num_speculative_tokens > 0:
             self._count(steps=1)
         self._decided_by_runner = False
+        self._note_prefixes(req_ids, starts, table)  # (a second call in a step changes nothing)
         started = time.perf_counter()
+        # vLLM's draft model puts one more slot per row after the step's tokens (its
+        # next token), all in buffers of max_num_batched_tokens.
+        extra = self.net_num_new_slots_per_request * batch
+        room = self.max_num_tokens - int(target_token_ids.shape[0]) - extra
+        caught = self._fitting(req_ids, starts, room) if self.catch_up else set(req_ids)
         if self.catch_up and any(r in self.missed_from for r in req_ids):
             (
                 target_token_ids,
@@ -141,15 +172,19 @@ class CatchUp:
             ) = self._with_missed(
                 req_ids,
                 starts,
+                caught,
                 target_token_ids,
                 target_positions,
                 target_hidden_states,
                 token_indices_to_sample,
                 cad,
             )
-        for req_id in req_ids:
-            self.missed_from.pop(req_id, None)
-            self.missed_hidden.pop(req_id, None)
+        for i, req_id in enumerate(req_ids):
+            if req_id in caught:
+                self.missed_from.pop(req_id, None)
+                self.missed_hidden.pop(req_id, None)
+                if self.stale is not None:
+                    self.stale.written(req_id, table[i], int(starts[i] + lens[i]))
         self._forget_finished()
         out = super().propose(
             num_speculative_tokens,
@@ -166,12 +201,28 @@ class CatchUp:
         self._count(forward_s=time.perf_counter() - started)
         return out
 
+    def _fitting(self, req_ids: list[str], starts: np.ndarray, room: int) -> set[str]:
+        """The rows whose missed tokens fit, in batch order, in ``room`` buffer slots beside the
+        step's own tokens; a row that does not fit keeps its missed positions for later."""
+        caught = set()
+        for req_id, start in zip(req_ids, starts, strict=True):
+            missed = int(start) - self.missed_from.get(req_id, int(start))
+            if missed <= room:
+                caught.add(req_id)
+                room -= max(missed, 0)
+        if len(caught) < len(req_ids):
+            self._count(deferred=len(req_ids) - len(caught))
+        return caught
+
     def _forget_finished(self) -> None:
-        if len(self.missed_from) > 4 * max(1, self.max_batch_size):
+        known = len(self.missed_from) + (len(self.stale.last_start) if self.stale else 0)
+        if known > 4 * max(1, self.max_batch_size):
             alive = set(self.runner.requests)
             for req_id in [r for r in self.missed_from if r not in alive]:
                 del self.missed_from[req_id]
                 self.missed_hidden.pop(req_id, None)
+            if self.stale is not None:
+                self.stale.forget(alive)
 
     def _hidden_from(self, req_id: str, first: int, start: int, like: torch.Tensor):
         """The kept target hidden states of positions [first, start): later chunks overwrite
@@ -183,15 +234,19 @@ class CatchUp:
                 out[lo - first : hi - first] = chunk[lo - chunk_start : hi - chunk_start]
         return out
 
-    def _with_missed(self, req_ids, starts, token_ids, positions, hidden, to_sample, cad):
-        """The step's inputs with each request's missed positions put before its own."""
+    def _with_missed(self, req_ids, starts, caught, token_ids, positions, hidden, to_sample, cad):
+        """The step's inputs with the missed positions of each request in ``caught`` put before
+        its own (a request left behind keeps this step's hidden states for its catch-up)."""
         token_ids_cpu = self.runner.input_batch.token_ids_cpu
         loc = cad.query_start_loc_cpu.to(torch.int64).tolist()
         reads_hidden = self.pass_hidden_states_to_model
         ids_parts, pos_parts, hid_parts, lens, added = [], [], [], [], []
         for i, req_id in enumerate(req_ids):
             start = int(starts[i])
-            first = min(self.missed_from.get(req_id, start), start)
+            first = min(self.missed_from.get(req_id, start), start) if req_id in caught else start
+            if reads_hidden and req_id not in caught and req_id in self.missed_from:
+                chunk = hidden[loc[i] : loc[i + 1]].to("cpu", copy=True)
+                self.missed_hidden.setdefault(req_id, []).append((start, chunk))
             if first < start:
                 ids_parts.append(torch.from_numpy(token_ids_cpu[i, first:start].astype(np.int64)))
                 pos_parts.append(torch.arange(first, start, dtype=torch.int64))

@@ -29,7 +29,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from pipeline.vllm_spec.catch_up_draft import CatchUp, step_rows
+from pipeline.vllm_spec.catch_up_draft import CatchUp
+from pipeline.vllm_spec.step_rows import block_ids, step_rows
 
 _sample = GPUModelRunner._sample
 _propose = GPUModelRunner.propose_draft_token_ids
@@ -66,7 +67,7 @@ def propose_draft_token_ids(self: GPUModelRunner, scheduler_output: Any, *args: 
                 if drafter.pass_hidden_states_to_model
                 else None
             )
-            if drafter.skip_step(rows, starts, lens, hidden):
+            if drafter.skip_step(rows, starts, lens, hidden, block_ids(cad)):
                 self._draft_probs = None
                 self._draft_prob_req_ids = None
                 return torch.empty(len(rows), 0, dtype=torch.int64, device=self.device)

@@ -17,6 +17,8 @@ DRAFTER_FIELDS = (
     "skipped",  # of which ran no draft forward (k = 0)
     "flushed",  # k = 0 steps that ran the forward to empty a full backlog
     "caught_up",  # missed tokens fed to a later first pass
+    "deferred",  # rows left behind by a first pass that had no room for their catch-up
+    "stale_prefix",  # cached-prefix positions drafted from a stale draft KV (not caught up)
     "forward_s",  # time in steps that ran the draft
 )
 
