@@ -67,11 +67,11 @@ def test_a_step_that_prefills_is_counted_not_fitted() -> None:
     before = planner.theta.copy()
     planner.observe_step(180, 2, 1, 40.0, tokens=1, decode=False)
     assert np.array_equal(planner.theta, before)
-    assert (planner.steps, planner.prefill_steps) == (1, 1)
+    assert (planner.steps, planner.unfitted_steps) == (1, 1)
     assert planner.tokens_per_ms == pytest.approx(0.1 / 40.0)  # the replica's output still
     planner.observe_step(3, 2, 1, 12.0, tokens=3)
     assert not np.array_equal(planner.theta, before)
-    assert "1 with a prefill, not fitted" in planner.report()
+    assert "1 with a prefill or catch-up, not fitted" in planner.report()
 
 
 def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:

@@ -43,6 +43,11 @@ def test_cost_aware_scheduler_varies_the_draft_length(scenarios):
     drafts, tokens = spec["vllm:spec_decode_num_drafts"], spec["vllm:spec_decode_num_draft_tokens"]
     assert drafts > 0 and 1.0 < tokens / drafts < 4.0, spec  # neither always 1 nor always K
     assert 0 < spec["vllm:spec_decode_num_accepted_tokens"] <= tokens
+    # A drafting step after steps at 0 also catches the draft up: timed, but not fitted as a
+    # drafting step's cost (nor is a step with a prefill).
+    steps = scenarios["sched_steps"]
+    assert steps["chosen"][0] > 0 and steps["catch_up"] > 0
+    assert steps["catch_up"] <= steps["unfitted"] < steps["steps"]
 
 
 @pytest.mark.slow

@@ -91,6 +91,13 @@ def main(out_path: str) -> None:
     result["sched_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
     result["sched_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
     result["sched_spec"] = spec_counters(llm)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    result["sched_steps"] = {
+        "steps": scheduler.planner.steps,
+        "unfitted": scheduler.planner.unfitted_steps,
+        "catch_up": scheduler.catch_up_steps,
+        "chosen": scheduler.planner.chosen.tolist(),
+    }
     # The same prompts in another order: rows are reordered in vLLM's persistent batch.
     result["sched_reversed"] = ids(llm.generate(prompts[::-1], greedy, use_tqdm=False))[::-1]
     del llm

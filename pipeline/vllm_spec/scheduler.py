@@ -65,7 +65,11 @@ class CostAwareScheduler(Scheduler):
             self.dynamic_sd_lookup = [self.num_spec_tokens] * (
                 self.scheduler_config.max_num_seqs + 1
             )
-        # started, P, k, B, whether every row only decodes
+        # Rows scheduled at a k = 0 step since they last drafted: with the plugin the draft
+        # skipped their tokens, and the next drafting step's first pass catches them up.
+        self._behind: set[str] = set()
+        self.catch_up_steps = 0  # steps timed with a catch-up in them, not fitted (a report)
+        # started, P, k, B, whether the step is fitted (every row only decodes, no catch-up)
         self._step: tuple[float, int, int, int, bool] | None = None
         self._done: tuple[float, int, int, int, bool, int] | None = None  # and tokens made
 
@@ -100,9 +104,23 @@ class CostAwareScheduler(Scheduler):
             output.total_num_scheduled_tokens,
             output.num_spec_tokens_to_schedule,
             len(ids),
-            _decode_only(output),
+            _decode_only(output) and not self._catches_up(ids, output),
         )
         return output
+
+    def _catches_up(self, ids: list[str], output: Any) -> bool:
+        """Whether this step's draft pass also catches up tokens an earlier step at k = 0
+        skipped: such a step costs more than the model's terms say (its first pass covers
+        every missed token), and fitted it would price drafting at what switching costs."""
+        if self.num_spec_tokens == 0:
+            return False
+        if output.num_spec_tokens_to_schedule == 0:
+            self._behind.update(ids)
+            return False
+        behind = not self._behind.isdisjoint(ids)
+        self._behind.difference_update(ids)
+        self.catch_up_steps += int(behind)
+        return behind
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         if self._step is not None and self._step[3] > 0:
@@ -119,6 +137,7 @@ class CostAwareScheduler(Scheduler):
             self.planner.observe_chain(req_id, valid, len(sampled[i]) - 1)
         if self.planner.steps % PRUNE_EVERY == 0:
             self.planner.forget_requests(set(self.requests))
+            self._behind.intersection_update(self.requests)
         if self.planner.steps % REPORT_EVERY == 0 and self.planner.steps:
             self._report("")
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -137,7 +156,10 @@ class CostAwareScheduler(Scheduler):
         super().shutdown()
 
     def _report(self, when: str) -> None:
-        line = f"cost-aware scheduler{when}: {self.planner.report()}"
+        line = (
+            f"cost-aware scheduler{when}: {self.planner.report()}; "
+            f"{self.catch_up_steps} steps caught the draft up, not fitted"
+        )
         log.info(line)
         path = os.environ.get(REPORT_ENV)
         if path:
