@@ -90,8 +90,9 @@ def test_a_catch_up_that_does_not_fit_beside_a_prefill_chunk_waits_instead_of_ov
     crowded = scenarios["crowded"]
     assert crowded["stats"]["deferred"] > 0
     assert crowded["stats"]["caught_up"] > 0
-    assert crowded["text"] == scenarios["crowded_plain"]["text"]
-    assert len(crowded["text"]) == 8
+    # Greedy: each of the seven is the first 64 tokens of its text without speculation.
+    assert [crowded["text"][str(i)] for i in range(7)] == [t[:64] for t in scenarios["plain"][:7]]
+    assert len(crowded["text"]["long"]) == 64
 
 
 @pytest.mark.slow

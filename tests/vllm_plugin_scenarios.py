@@ -118,7 +118,7 @@ def cached_prefix() -> dict:
     return result
 
 
-def crowded(spec: dict | None) -> dict:
+def crowded() -> dict:
     """Seven requests decode with the draft held off for 40 steps (a backlog of missed tokens
     each), then a long prompt arrives and every step drafts: its prefill chunks fill the
     drafter's token buffers (max_num_batched_tokens 256), leaving no room for the others'
@@ -128,12 +128,15 @@ def crowded(spec: dict | None) -> dict:
     from pipeline.vllm_spec.stats import read_drafter_stats
 
     hold = importlib.import_module("vllm_plugin_scenarios").HOLD
-    stats_path = os.path.join(os.environ["SPECBOUND_TEST_DIR"], f"drafter_crowded_{bool(spec)}")
+    stats_path = os.path.join(os.environ["SPECBOUND_TEST_DIR"], "drafter_crowded")
     os.environ["SPECBOUND_DRAFTER_STATS"] = stats_path
     os.environ[STRETCHES_ENV] = "{}"
-    sched = {"scheduler_cls": "vllm_plugin_scenarios.HoldScheduler"} if spec else {}
     llm = engine(
-        spec, max_model_len=1024, max_num_batched_tokens=256, enable_chunked_prefill=True, **sched
+        DRAFTERS["draft"],
+        max_model_len=1024,
+        max_num_batched_tokens=256,
+        enable_chunked_prefill=True,
+        scheduler_cls="vllm_plugin_scenarios.HoldScheduler",
     )
     core = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -144,7 +147,7 @@ def crowded(spec: dict | None) -> dict:
             if out.finished:
                 texts[out.request_id] = list(out.outputs[0].token_ids)
 
-    hold[0] = spec is not None
+    hold[0] = True
     for i, text in enumerate(TEXTS[:7]):
         core.add_request(str(i), text, params)
     for _ in range(40):
@@ -230,8 +233,7 @@ def main(out_path: str) -> None:
             greedy, skip=True, seed=1, catch_up=False, drafter=name
         )
     result["cached_prefix"] = cached_prefix()
-    result["crowded_plain"] = crowded(None)
-    result["crowded"] = crowded(DRAFTERS["draft"])
+    result["crowded"] = crowded()
     # The target drafting for itself at T = 1: identical distributions accept every token.
     sampled = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
     for method in ("probabilistic", "greedy"):
