@@ -48,7 +48,8 @@ class PlannerConfig:
     # k >= 1 (0: never). At k = 0 nothing measures acceptance or what a drafted step costs, so
     # a model that has drifted against drafting stays there: at 8 ShareGPT requests half the
     # engines sat at k = 0 from the start (docs/results/vllm_lock_at_zero_sharegpt_c8); 32
-    # measured 0.90 x floor there against 0.81 without. Off by default: with 32, a greedy
+    # measured 0.90 x floor there against 0.81 without, then 0.75 against 0.90 (within the
+    # host's spread, docs/results/vllm_catch_up_unfitted_sharegpt_c8). Off: with 32, a greedy
     # request on the app's test engine drafted only unlock steps and accepted none (2 of 4
     # runs of test_vllm_app.py's per-request test; 0 of 3 with it off), cause not found.
     unlock_every: int = 0
