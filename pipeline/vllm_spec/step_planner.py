@@ -38,21 +38,14 @@ ENV = "SPECBOUND_SCHEDULER"
 @dataclass(frozen=True)
 class PlannerConfig:
     explore: float = 0.0  # share of steps whose k is drawn at random
-    # Every this many steps, two steps draft nothing (0: never): with the plugin they cost no
-    # draft forward, and they are what measures the drafting terms (s0, s_row: what drafting
-    # at all adds to a step at this batch size), which steps that all draft cannot tell from
-    # the intercept and the row term. Off by default: at one request they cost about 2% of
-    # the tokens, and no gain at 8 was measured (docs/serving_vllm.md).
+    # Every this many steps, two steps draft nothing (0: never): they measure what drafting at
+    # all adds to a step (s0, s_row); off: at one request they cost about 2% of the tokens,
+    # and no gain at 8 was measured (docs/serving_vllm.md).
     measure_off_every: int = 0
-    # After this many choices of 0 in a row where rows may draft, one step drafts the best
-    # k >= 1 (0: never). At k = 0 nothing measures acceptance or what a drafted step costs, so
-    # a model that has drifted against drafting stays there: at 8 ShareGPT requests half the
-    # engines sat at k = 0 from the start (docs/results/vllm_lock_at_zero_sharegpt_c8); 32
-    # measured 0.90 x floor there against 0.81 without, then 0.75 against 0.90 (within the
-    # host's spread, docs/results/vllm_catch_up_unfitted_sharegpt_c8). Off: with 32, a greedy
-    # request on the app's test engine drafted only unlock steps and accepted none (2 of 4
-    # runs of test_vllm_app.py's per-request test; 0 of 3 with it off), cause not found.
-    unlock_every: int = 0
+    # After this many choices of 0 in a row where rows may draft, two steps draft the best
+    # k >= 1 (0: never): at k = 0 nothing measures acceptance or a drafted step's cost, so a
+    # model misled against drafting would stay there (docs/serving_vllm.md).
+    unlock_every: int = 32
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
     # Per step, the share by which acceptance evidence fades back to the prior (the offline
@@ -127,13 +120,11 @@ class StepPlanner:
         self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
         self.unfitted_steps = 0  # steps that also prefilled or caught up, not fitted (a report)
         self.measured_off = 0  # steps held at 0 to measure the drafting terms (a report)
-        # Steps whose k differs from the step before (a report): a switch to 0 leaves the
-        # next step nothing to verify, which the steady-state choice does not price.
-        self.switches = 0
+        self.switches = 0  # steps whose k differs from the step before (a report)
         self._last_k = -1
         self._since_off = 0  # choices since the last such pair
         self.unlocked = 0  # steps drafted after unlock_every choices of 0 (a report)
-        self._at_zero = 0  # choices of 0 in a row
+        self._at_zero = self._unlock_left = 0  # choices of 0 in a row; unlock steps left
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
 
@@ -290,11 +281,15 @@ class StepPlanner:
             worth.append(self.expected_tokens(rates, k, caps) / ms)
         best_k = int(np.argmax(worth))
         if best_k > 0:
-            self._at_zero = 0
+            self._at_zero = self._unlock_left = 0
             return best_k
-        self._at_zero += 1
-        if self.config.unlock_every and self._at_zero >= self.config.unlock_every:
-            self._at_zero = 0
-            self.unlocked += 1
-            return 1 + int(np.argmax(worth[1:]))
-        return 0
+        if not self._unlock_left:
+            self._at_zero += 1
+            if not self.config.unlock_every or self._at_zero < self.config.unlock_every:
+                return 0
+            # Two steps: the first's draft pass also catches up the steps at 0 (the scheduler
+            # does not fit its time), the second is what a drafted step costs.
+            self._at_zero, self._unlock_left = 0, 2
+        self._unlock_left -= 1
+        self.unlocked += 1
+        return 1 + int(np.argmax(worth[1:]))
