@@ -222,7 +222,7 @@ def test_real_calibration_on_embedded_models(tmp_path):
     env["PYTHONPATH"] = str(REPO_ROOT)
     args = "--design observational --limit 6 --ks 0,1,3,5,7 --look-ks 0,3 --max-new-tokens 32"
     args += " --out cal"
-    args += " --device cpu --dtype float32 --experts-implementation eager --repeats 5"
+    args += " --device cpu --dtype float32 --experts-implementation eager --repeats 2"
     cmd = [sys.executable, "-m", "jobs.calibrate", *args.split()]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

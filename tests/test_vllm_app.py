@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -791,26 +792,46 @@ def _serving_replicas(app: App) -> dict[str, int]:
     return {m.group(2): int(m.group(1)) for m in CALL_OK.finditer(app.log_text())}
 
 
+UPSCALED = f"Upscaling Deployment(name='LLMServer:{MODEL}', app='specbound-vllm') from 1 to 2"
+
+
+def _running_replicas(app: App) -> int:
+    with app.client() as c:
+        return c.get("/healthz").json()["models"][MODEL]["running_replicas"]
+
+
+def _wait_for(done: Callable[[], bool], timeout_s: float, failure: str) -> None:
+    ends = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < ends, f"{failure} in {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_two_replicas_and_a_replica_killed_under_load_loses_no_retried_request(app):
-    stop = threading.Event()
+    stop, sending = threading.Event(), threading.Event()
     outcomes: list[Outcome] = []
 
     def client() -> None:
         with app.client() as c:
             while not stop.is_set():
-                outcomes.append(_one_request(c))
+                if sending.wait(0.5):
+                    outcomes.append(_one_request(c))
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(CLIENTS)]
     try:
+        sending.set()
         for t in threads:
             t.start()
         # Eight clients, two ongoing requests per replica wanted: the autoscaler starts the
-        # second engine replica (about a minute and a half on two busy cores).
-        ends = time.monotonic() + 300
-        while len(replicas := _serving_replicas(app)) < 2:
-            assert time.monotonic() < ends, "no second engine replica served in 300 s"
-            time.sleep(1)
+        # second engine replica. The clients pause while it loads (under their load it took
+        # a minute and a half on two cores, without it well under one).
+        _wait_for(lambda: UPSCALED in app.log_text(), 120, "no upscaling to 2 replicas")
+        sending.clear()
+        _wait_for(lambda: _running_replicas(app) == 2, 300, "no second replica running")
+        sending.set()
+        _wait_for(lambda: len(_serving_replicas(app)) == 2, 60, "the second replica serves none")
+        replicas = _serving_replicas(app)
         procs = _processes()
         assert all(REPLICA_TITLE in procs[pid][1] for pid in replicas.values()), procs
         victim = replicas[list(replicas)[-1]]  # the replica that started last
