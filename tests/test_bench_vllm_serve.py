@@ -63,6 +63,8 @@ def test_runs_interleave_the_model_ids_within_each_repeat(tmp_path):
     assert [c.model for c in cells[:4]] == ["ours", "none", "ours", "none"]
     assert (cells[0].concurrency, cells[2].concurrency) == (1, 4)
     assert [c.repeat for c in cells[:16]] == [0] * 16 and cells[16].repeat == 1
+    # Each repeat starts every cell with the next model id: none first in repeat 1.
+    assert [c.model for c in cells[16:20]] == ["none", "ours", "none", "ours"]
     assert cells[0].name == "sharegpt_T0_c1_ours_r0"
     assert Cell("/data/q a.jsonl", 1.0, 8, "none", 2).name == "q_a_T1_c8_none_r2"
 
@@ -108,7 +110,8 @@ def test_spec_counters_are_read_per_model_id():
 def test_a_runs_counts_last_until_its_model_ids_next_run(tmp_path):
     """Ray exports with a delay: counts that land after a run belong to it, not the next."""
     runs = [Run(c, []) for c in plan(_settings(tmp_path, concurrency=(1,), repeats=2), ["s"])]
-    # ours T0 r0, none T0 r0, ours T1 r0, none T1 r0, then repeat 1: 8 runs, 9 reads
+    # ours T0 r0, none T0 r0, ours T1 r0, none T1 r0, then repeat 1 none first: none T0 r1,
+    # ours T0 r1, none T1 r1, ours T1 r1: 8 runs, 9 reads
     reads = [
         {"ours": {"drafts": 10.0 * i, "draft_tokens": 0.0, "accepted": 5.0 * i}} for i in range(9)
     ]
@@ -116,8 +119,9 @@ def test_a_runs_counts_last_until_its_model_ids_next_run(tmp_path):
     assign_spec(runs, reads)
     assert runs[0].spec == {"drafts": 20.0, "draft_tokens": 0.0, "accepted": 10.0}
     assert runs[1].spec == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
-    assert runs[3].spec is None and runs[5].spec is None
-    assert runs[6].spec["drafts"] == 20.0  # the last run of ours: until the final read
+    assert runs[2].spec is None and runs[5].spec is None  # ours T1 r0 ends at read 5
+    assert runs[3].spec is not None  # none T1 r0: reads 3 to 4
+    assert runs[7].spec["drafts"] == 10.0  # the last run of ours: until the final read
 
 
 def _fixture_runs() -> list[Run]:

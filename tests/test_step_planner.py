@@ -71,7 +71,7 @@ def test_a_step_that_prefills_is_counted_not_fitted() -> None:
     assert planner.tokens_per_ms == pytest.approx(0.1 / 40.0)  # the replica's output still
     planner.observe_step(3, 2, 1, 12.0, tokens=3)
     assert not np.array_equal(planner.theta, before)
-    assert "1 with a prefill or catch-up, not fitted" in planner.report()
+    assert "(1 not fitted)" in planner.report()
 
 
 def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:

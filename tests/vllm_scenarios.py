@@ -96,6 +96,7 @@ def main(out_path: str) -> None:
         "steps": scheduler.planner.steps,
         "unfitted": scheduler.planner.unfitted_steps,
         "catch_up": scheduler.catch_up_steps,
+        "churn": scheduler.churn_steps,
         "chosen": scheduler.planner.chosen.tolist(),
     }
     # The same prompts in another order: rows are reordered in vLLM's persistent batch.

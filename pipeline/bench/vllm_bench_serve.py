@@ -8,7 +8,8 @@ of ``{"prompt": text}`` lines, sent as they are (``--skip-chat-template``) in fi
 (``--disable-shuffle``), each with ``max_tokens`` = --custom-output-len. The client keeps
 ``--max-concurrency`` requests in flight and saves its result JSON (``--save-result``) with the
 cell in its metadata. The model ids of a repeat run back to back in each cell, so a host whose
-speed drifts moves them alike (pipeline.bench.vllm_bench_serve_table pairs ratios by repeat).
+speed drifts moves them alike (pipeline.bench.vllm_bench_serve_table pairs ratios by repeat),
+their order rotated each repeat: no model id always runs first after the cell changed.
 
 Accepted length: vLLM's client reads it from ``<base-url>/metrics`` (vLLM's spec-decode
 counters), which a plain ``vllm serve`` has and the app does not (Serve's HTTP port has no
@@ -110,13 +111,14 @@ def write_prompts(prompts: list[str], path: Path) -> Path:
 
 def plan(settings: BenchSettings, sources: list[str]) -> list[Cell]:
     """Every run in order: repeat, source, temperature, concurrency, then the model ids."""
+    m = list(settings.models)  # rotated left by r places in repeat r
     return [
         Cell(source, temperature, c, model, r)
         for r in range(settings.repeats)
         for source in sources
         for temperature in settings.temperatures
         for c in settings.concurrency
-        for model in settings.models
+        for model in m[r % len(m) :] + m[: r % len(m)]
     ]
 
 

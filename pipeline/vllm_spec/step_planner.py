@@ -118,7 +118,7 @@ class StepPlanner:
         self.tokens_per_ms = 0.0  # recent output of the replica (EMA over steps)
         self.trimmed = 0  # drafted tokens left unverified (a report)
         self.held_off = 0  # row-steps of rows whose request drafts nothing (a report)
-        self.unfitted_steps = 0  # steps that also prefilled or caught up, not fitted (a report)
+        self.unfitted_steps = 0  # steps not fitted (prefill, catch-up, churn: a report)
         self.measured_off = 0  # steps held at 0 to measure the drafting terms (a report)
         self.switches = 0  # steps whose k differs from the step before (a report)
         self._last_k = -1
@@ -189,8 +189,9 @@ class StepPlanner:
     ) -> None:
         """One timed engine step (pipeline.vllm_spec.online_step_cost); ``tokens``: what
         the step produced, for the replica's recent tokens per ms. A step that also prefills,
-        or catches the draft up (``decode`` False), is not fitted: the model prices decode
-        steps (a catch-up's cost is its backlog's, not the step's), whose positions are
+        catches the draft up or saw a request arrive or end (``decode`` False) is not fitted:
+        the model prices decode steps (a catch-up's cost is its backlog's, an arrival's the
+        serving stack's, neither the draft length's), whose positions are
         verified ones (at T > 0 each costs the rejection test's sampling over the vocabulary);
         a prompt's hundred positions priced the same would pull c_pos to a prefill's cost."""
         if not np.isfinite(ms) or ms <= 0:
@@ -227,7 +228,7 @@ class StepPlanner:
         """One line of the planner's state: what it chose, believes and measured."""
         chosen = " ".join(f"{k}:{n}" for k, n in enumerate(self.chosen) if n)
         return (
-            f"steps {self.steps} ({self.unfitted_steps} with a prefill or catch-up, not fitted); "
+            f"steps {self.steps} ({self.unfitted_steps} not fitted); "
             f"k chosen {chosen or '-'} (changed at {self.switches} steps); "
             f"{self.acceptance.report()}; "
             f"step ms coefficients {self.cost.coefficients()}; "
