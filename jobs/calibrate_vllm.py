@@ -4,9 +4,10 @@ calibration drafter (pipeline.vllm_spec.calibration_drafter) drafting a random l
 per row and step, a hook on vLLM's MoE gates records the
 experts every pass routes to, and the steps are fitted to
 
-    T_T(P, U, A) = b0 + b_pos P + b_union U + b_ctx A      (vLLM's step, outside the drafter)
-    T_D(n) = d0 + d_tok n                                   (one packed draft forward, n tokens)
-    S(B) = s0 + s_row B                                     (the drafter's own work, B rows)
+    T_T(P, U, A, B) = b0 + b_pos P + b_union U + b_ctx A + b_row B
+                                        (vLLM's step outside the drafter, B rows)
+    T_D(n) = d0 + d_tok n               (one packed draft forward, n tokens)
+    S(B) = s0 + s_row B                 (the drafter's own work, B rows)
 
 saved as vllm_costmodel.json with its provenance (device, dtype, checkpoints, vLLM version):
 the scheduler takes it as a prior only on the device it was measured on. Runs vLLM in its own
@@ -89,16 +90,17 @@ def main(argv: list[str] | None = None) -> dict:
         t.log_metrics(metrics)
         t.log_artifact(str(args.out))
     print(
-        f"T_T(P, U, A) = {c.b0:.3f} + {c.b_pos:.4f} P + {c.b_union:.4f} U + {c.b_ctx:.7f} A ms"
+        f"T_T(P, U, A, B) = {c.b0:.3f} + {c.b_pos:.4f} P + {c.b_union:.4f} U + {c.b_ctx:.7f} A "
+        f"{c.b_row:+.4f} B ms"
         f"  (R^2 {c.r2_target:.3f}, {fit['fitted_steps']} steps, bias {fit['bias_ms']:+.3f} "
         f"ms, MAPE {fit['mape']:.1%})"
     )
     print(
-        f"T_D(n)       = {c.d0:.3f} + {c.d_tok:.4f} n ms per draft forward of n tokens "
+        f"T_D(n)          = {c.d0:.3f} + {c.d_tok:.4f} n ms per draft forward of n tokens "
         f"(R^2 {c.r2_draft:.3f}, {fit['draft_forwards']} forwards)"
     )
-    print(f"S(B)         = {c.s0:.3f} + {c.s_row:.4f} B ms of the drafter's own work per step")
-    print(f"U(P)         = {c.experts} - {c.experts - c.top_k} x {c.union_decay:.4f}^(P-1)")
+    print(f"S(B)            = {c.s0:.3f} + {c.s_row:.4f} B ms of the drafter's own work per step")
+    print(f"U(P)            = {c.experts} - {c.experts - c.top_k} x {c.union_decay:.4f}^(P-1)")
     print(f"-> {args.out} ({result.seconds:.0f} s)")
     return {"cost": c.to_json(), "fit": fit}
 

@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.models.loading import REPO_ROOT
-from pipeline.vllm_spec.env import vllm_python
+from pipeline.vllm_spec.env import engine_env, vllm_python
 
 
 def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -62,6 +62,21 @@ def test_bad_arguments_exit_2_before_any_engine(args, message, tmp_path, monkeyp
     assert message in err, err[-2000:]
     assert not out.exists()  # nothing ran: no prompts, no spec, no engine
     assert not list(tmp_path.iterdir())  # no tracking store either
+
+
+def test_engines_leave_a_core_to_their_front_end(monkeypatch):
+    """OpenMP threads of a vLLM engine the project starts: every core but one (at least one);
+    a user's OMP_NUM_THREADS wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    env = engine_env()
+    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "nobind")
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert engine_env()["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert engine_env()["OMP_NUM_THREADS"] == "15"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert engine_env()["OMP_NUM_THREADS"] == "2"
 
 
 def test_bench_vllm_smoke(tmp_path):

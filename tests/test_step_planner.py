@@ -182,15 +182,20 @@ def test_offline_priors_are_the_pairs_acceptance_model_and_calibration(tmp_path)
     assert priors.rates["greedy"] == acceptance["modes"]["greedy"]["prior"]
     assert priors.rates["sampled"] == acceptance["modes"]["sampled"]["prior"]
     cost = json.loads((ROOT / "models" / "vllm_costmodel.json").read_text())["cost"]
-    names = ("b0", "b_pos", "b_union", "d0", "d_tok", "s0", "s_row")
-    b0, b_pos, b_union, d0, d_tok, s0, s_row = (cost[n] for n in names)
-    assert priors.cost == (b0, b_pos, b_union, 0.0, d0, d_tok, s0, s_row)  # no row term measured
+    names = ("b0", "b_pos", "b_union", "b_row", "d0", "d_tok", "s0", "s_row")
+    assert priors.cost == tuple(cost[n] for n in names)
     assert priors.union == (cost["experts"], cost["top_k"], cost["union_decay"])
     assert load_priors(ROOT / "models" / "draft", "cuda").cost is None  # another device
     # The 2-layer draft has its own acceptance model beside it and no vLLM calibration.
     two = load_priors(ROOT / "models" / "draft-2layer", "cpu")
     assert two.cost is None and set(two.rates) == {"greedy", "sampled"}
     assert load_priors(tmp_path / "nothing") == Priors()
+    # A calibration made before the fit had a row term: the row term's prior is 0.
+    (tmp_path / "old").mkdir()
+    body = json.loads((ROOT / "models" / "vllm_costmodel.json").read_text())
+    del body["cost"]["b_row"]
+    (tmp_path / "old" / "vllm_costmodel.json").write_text(json.dumps(body))
+    assert load_priors(tmp_path / "old", "cpu").cost[3] == 0.0
     planner = StepPlanner(4, PlannerConfig(), priors)
     assert planner.theta[0] == cost["b0"] and planner.rate("new") == priors.rates["greedy"]
     assert priors.draft_cost_measured

@@ -210,6 +210,9 @@ def test_cpu_engine_placement_and_replicas():
     assert env["PYTHONPATH"] == str(ROOT)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["OMP_NUM_THREADS"] == "1"  # 1.5 CPUs: one thread
+    bigger = _config({**SETTINGS, "engine_cpus": 4})["runtime_env"]["env_vars"]
+    assert bigger["OMP_NUM_THREADS"] == "4"
     deployment = config["deployment_config"]
     assert deployment["ray_actor_options"] == {"num_cpus": 0}
     assert deployment["max_ongoing_requests"] == 8

@@ -197,7 +197,8 @@ def test_step_cost_fit_recovers_known_costs():
         positions = rows + int(rng.integers(0, 6 * rows + 1))
         union = 32 - 28 * 0.97 ** (positions - 1)
         attended = positions * int(rng.integers(20, 300))
-        step = 5.0 + 0.1 * positions + 0.2 * union + 1e-4 * attended + rng.normal(0, 0.05)
+        step = 5.0 + 0.1 * positions + 0.2 * union + 1e-4 * attended + 0.3 * rows
+        step += rng.normal(0, 0.05)
         forwards = [[rows, n, 0.8 + 0.05 * n + rng.normal(0, 0.01)] for n in (rows, rows)]
         records.append(
             {
@@ -215,6 +216,7 @@ def test_step_cost_fit_recovers_known_costs():
     cost, fit = fit_step_cost(records, experts=32, top_k=4)
     assert cost.b_pos == pytest.approx(0.1, abs=0.02)
     assert cost.b_union == pytest.approx(0.2, abs=0.03)
+    assert cost.b_row == pytest.approx(0.3, abs=0.02)
     assert cost.d_tok == pytest.approx(0.05, abs=0.005)
     assert cost.union_decay == pytest.approx(0.97, abs=0.002)
     assert abs(fit["bias_ms"]) < 0.05

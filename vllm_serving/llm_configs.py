@@ -28,9 +28,12 @@ def engine_env(args: VllmAppArgs) -> dict[str, str]:
     the plugin's parts are imported in vLLM's processes), and on CPU the CPU build's settings."""
     env = {"PYTHONPATH": str(ROOT)}
     if not args.on_gpu:
-        # nobind: 2 cores leave none to pin; the KV cache must fit beside the models.
+        # nobind: 2 cores leave none to pin; the KV cache must fit beside the models. OpenMP
+        # threads: the engine's CPUs, at least one (more threads than its share stall steps
+        # while the serving processes run: pipeline.vllm_spec.env.engine_threads).
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(max(1, int(args.engine_cpus)))
     return env
 
 

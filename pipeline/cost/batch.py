@@ -51,6 +51,10 @@ class BatchCost:
     r2_draft: float = float("nan")
     r2_step: float = float("nan")
     records: int = 0
+    # What each row adds to a target pass whatever it verifies (its sampling, its output, the
+    # runner's bookkeeping): measured by vLLM's calibration (rows vary apart from positions
+    # there), 0 where the fit has no row term.
+    b_row: float = 0.0
 
     def union(self, positions: float) -> float:
         """Expected experts per layer loaded by a pass of ``positions`` positions."""
@@ -58,9 +62,17 @@ class BatchCost:
             return 0.0
         return self.experts - (self.experts - self.top_k) * self.union_decay ** (positions - 1)
 
-    def t_target(self, positions: float, union: float | None = None, attended: float = 0.0):
+    def t_target(
+        self, positions: float, union: float | None = None, attended: float = 0.0, rows: float = 0
+    ):
         u = self.union(positions) if union is None else union
-        return self.b0 + self.b_pos * positions + self.b_union * u + self.b_ctx * attended
+        return (
+            self.b0
+            + self.b_pos * positions
+            + self.b_union * u
+            + self.b_ctx * attended
+            + self.b_row * rows
+        )
 
     def t_draft(self, rows: float) -> float:
         """A draft round of ``rows`` generations (0: no round)."""

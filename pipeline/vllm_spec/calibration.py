@@ -67,7 +67,8 @@ def calibrate_vllm(
             "--spec",
             f"{tmp}/spec.json",
         ]
-        done = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True)
+        env = engine_env()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(
                 f"the vLLM calibration run failed ({done.returncode}):\n" + done.stderr[-3000:]
@@ -83,6 +84,8 @@ def calibrate_vllm(
         batch_sizes=batch_sizes,
         max_tokens=max_tokens,
         prompts=len(prompts),
+        # The engine's OpenMP threads: a step's cost depends on them as on the device.
+        omp_threads=int(env["OMP_NUM_THREADS"]),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     step_cost.save(out, cost, provenance, fit)

@@ -59,8 +59,8 @@ class OnlineStepCost:
         # against each other: they keep their prior 100x more firmly. The intercept keeps a
         # weak prior even from a calibration: the host's speed and the decoding mode move it
         # most, and held firmly its shift would go into the position term or the row term
-        # (collinear with it at one row). The row term (0 a priori: no calibration measures
-        # it) is measured where the batch size varies.
+        # (collinear with it at one row). The row term starts from the calibration's (0 from
+        # one made before it had one) and is refined where the batch size varies.
         base = 25.0 if calibrated else prior_precision
         p, hard = prior_precision, 100.0 * base
         weight = np.array([p, base, hard, base, base, hard, base, hard])

@@ -87,9 +87,10 @@ def load_priors(draft: str | Path | None, device: str = "cpu", target: str | Non
         measured = body.get("provenance", {}).get("device", "")
         c = body.get("cost", {})
         if measured.split(":")[0] == device.split(":")[0] and "b0" in c:
-            # no row term measured (0); s0 + s_row B: the calibrating drafter's own work
+            # the row term where the calibration fitted one (0 before it did); s0 + s_row B:
+            # the calibrating drafter's own work
             cost = (
-                c["b0"], c["b_pos"], c["b_union"], 0.0,
+                c["b0"], c["b_pos"], c["b_union"], c.get("b_row", 0.0),
                 c["d0"], c["d_tok"], c.get("s0", 0.0), c.get("s_row", 0.0),
             )  # fmt: skip
             union = (int(c["experts"]), int(c["top_k"]), float(c["union_decay"]))

@@ -4,9 +4,10 @@ cost-aware scheduler's prior: pipeline.vllm_spec.priors).
 The form is the batch > 1 model's (pipeline.cost.batch.BatchCost), measured on vLLM's step
 instead of our engine's:
 
-* ``T_T(P, U, A) = b0 + b_pos P + b_union U + b_ctx A``: everything vLLM does between two
-  proposals (scheduling, the target's pass over the P scheduled tokens with U the mean union
-  of experts per MoE layer, sampling and verification), A = sum_r n_r L_r;
+* ``T_T(P, U, A, B) = b0 + b_pos P + b_union U + b_ctx A + b_row B``: everything vLLM does
+  between two proposals (scheduling, the target's pass over the P scheduled tokens of B rows
+  with U the mean union of experts per MoE layer, sampling and verification),
+  A = sum_r n_r L_r;
 * ``T_D(n) = d0 + d_tok n``: one packed forward of the draft over n tokens, in the
   calibration drafter (pipeline.vllm_spec.calibration_drafter);
 * ``S(B) = s0 + s_row B``: the drafter's own work besides its forwards, for B rows;
@@ -14,8 +15,8 @@ instead of our engine's:
 
 Measured by jobs.calibrate_vllm (the router's choices captured with a hook on vLLM's MoE
 gates in that run), and bound like every cost model to what it was measured on: its
-provenance (device, dtype, checkpoints, vLLM version) is saved with it, and the scheduler
-takes it as a prior only on the device it was measured on.
+provenance (device, dtype, checkpoints, vLLM version, the engine's OpenMP threads) is saved
+with it, and the scheduler takes it as a prior only on the device it was measured on.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ records (pipeline.vllm_spec.calibration_drafter).
 Every record is one engine step as the drafter saw it: the time from the end of one
 proposal to the start of the next (vLLM's scheduling, the target's pass, sampling and
 verification), the positions that pass verified and the mean union of experts per MoE layer
-it routed to (a hook on vLLM's gates), the attention work A = sum_r n_r L_r, and the
+it routed to (a hook on vLLM's gates), the attention work A = sum_r n_r L_r, the rows B
+(the design draws each row's length apart, so B varies apart from P), and the
 drafter's own draft forwards and decision time. Steps whose pass held tokens the drafter
 did not schedule (a new request's prefill) are left out of the target's fit. Ordinary least
 squares (statsmodels); the union's growth is fitted in log space through the origin.
@@ -44,9 +45,9 @@ def fit_step_cost(
         )
     y = np.array([r["step_ms"] for r in steps])
     keep = y <= np.quantile(y, 1 - trim)
-    x = np.array([[r["positions"], r["union"], r["attended"]] for r in steps])[keep]
-    (b0, b_pos, b_union, b_ctx), r2_target = _ols(x, y[keep])
-    pred = b0 + x @ np.array([b_pos, b_union, b_ctx])
+    x = np.array([[r["positions"], r["union"], r["attended"], r["rows"]] for r in steps])[keep]
+    (b0, b_pos, b_union, b_ctx, b_row), r2_target = _ols(x, y[keep])
+    pred = b0 + x @ np.array([b_pos, b_union, b_ctx, b_row])
     forwards = [f for r in records for f in r.get("draft_forwards", [])]
     if len(forwards) < 5:
         raise ValueError("fewer than 5 draft forwards recorded: the design drew no drafts")
@@ -75,6 +76,7 @@ def fit_step_cost(
         r2_draft=r2_draft,
         r2_step=r2_step,
         records=int(keep.sum()),
+        b_row=float(b_row),
     )
     resid = y[keep] - pred
     fit = {
