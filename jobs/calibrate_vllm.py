@@ -9,7 +9,8 @@ experts every pass routes to, and the steps are fitted to
     T_D(n) = d0 + d_tok n               (one packed draft forward, n tokens)
     S(B) = s0 + s_row B                 (the drafter's own work, B rows)
 
-saved as vllm_costmodel.json with its provenance (device, dtype, checkpoints, vLLM version):
+saved as vllm_costmodel.json with its provenance (device, dtype, checkpoints, vLLM version,
+the engine's OpenMP threads):
 the scheduler takes it as a prior only on the device it was measured on. Runs vLLM in its own
 environment (make vllm-env).
 

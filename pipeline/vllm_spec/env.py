@@ -16,9 +16,9 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobin
 def engine_threads() -> int:
     """The engine's OpenMP threads: every core but one, which its front end (tokenizing,
     detokenizing, the caller) needs. Unbound, vLLM's CPU kernels take one OpenMP thread per core,
-    and on 2 cores a thread descheduled by the front end stalls a step at its barrier: 31-40
-    steps of 45-128 ms in 1,000 (20-24% of the decoding time) and 983-1,125 tok/s at 16 ShareGPT
-    requests, against none and 1,652 tok/s with one thread (docs/vllm.md)."""
+    and on 2 cores a thread descheduled by the front end stalls a step at its barrier: at 16
+    ShareGPT requests 31-40 steps of 45-128 ms in 1,000 (20-24% of the decoding time) and
+    983-1,125 tok/s; one thread, no such step and 1,652 tok/s (docs/vllm.md)."""
     return max(1, (os.cpu_count() or 1) - 1)
 
 
