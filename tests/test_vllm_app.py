@@ -26,7 +26,7 @@ from pipeline.vllm_spec.env import vllm_python
 from pipeline.vllm_spec.methods import SCHEDULER_CLASS
 from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
-from vllm_serving.llm_configs import describe, llm_config_dicts
+from vllm_serving.llm_configs import LOCAL_MODEL_FOLDERS, describe, llm_config_dicts
 from vllm_serving.placement import engine_demand, shortfall
 from vllm_serving.settings import DEFAULT_K, VllmAppArgs
 
@@ -220,6 +220,7 @@ def test_cpu_engine_placement_and_replicas():
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2)
     assert scaling["target_ongoing_requests"] == 2
     assert config["log_engine_metrics"] is True
+    assert config["callback_config"] == {"callback_class": LOCAL_MODEL_FOLDERS}
 
 
 def test_gpu_engine_placement_and_one_config_per_model():
@@ -433,6 +434,13 @@ def test_openai_client(app):
     ends = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert ends[-1] == "length" and all(e is None for e in ends[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.slow
+def test_engines_start_from_the_model_folders_without_node_initialization(app):
+    # ray.serve.llm would run a task per engine that imports vLLM to "download" a local folder.
+    assert "Running tasks to download model files" not in app.log_text()
+    assert "Started vLLM engine" in app.log_text()
 
 
 def _spec(body: dict) -> dict:

@@ -15,6 +15,8 @@ from pipeline.vllm_spec.step_planner import PlannerConfig
 from vllm_serving.settings import ServedModel, VllmAppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
+# By its import path: the replica loads it (that module needs ray.llm, the vLLM environment).
+LOCAL_MODEL_FOLDERS = "vllm_serving.local_models.LocalModelFolders"
 
 
 def resolve(path: str | None, default: str) -> str:
@@ -116,6 +118,7 @@ def llm_config_dicts(args: VllmAppArgs) -> list[dict[str, Any]]:
                     "health_check_period_s": 5,
                 },
                 "log_engine_metrics": True,  # vLLM's counters as Ray metrics (Prometheus)
+                "callback_config": {"callback_class": LOCAL_MODEL_FOLDERS},
             }
         )
     return configs

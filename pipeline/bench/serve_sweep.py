@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -224,6 +225,21 @@ async def _warm_up(urls: dict[str, str], text: str, settings: SweepSettings) -> 
             raise ValueError(f"warm-up of {system.mode} {system.policy}: {outcome.error}")
 
 
+def _enter_in_background(stack: ExitStack, manager: AbstractContextManager[Any]) -> Future:
+    """``manager`` entered on a thread of its own; ``stack`` exits it once it has entered, also
+    when what runs meanwhile fails (a start that failed has nothing to exit)."""
+    pool = ThreadPoolExecutor(1)
+    started = pool.submit(manager.__enter__)
+
+    def leave() -> None:
+        pool.shutdown()
+        if started.exception() is None:
+            manager.__exit__(None, None, None)
+
+    stack.callback(leave)
+    return started
+
+
 def run_sweep(
     sources: dict[str, list[str]],
     settings: SweepSettings,
@@ -239,6 +255,16 @@ def run_sweep(
     cells: list[Cell] = []
     with ExitStack() as stack:
         urls: dict[str, str] = {}
+        vllm_started = None
+        if settings.vllm_models:
+            if vllm_app is None:
+                from pipeline.bench.vllm_app_launcher import vllm_app
+            # One engine replica (1 CPU bundle) per model id, all resident while one is
+            # measured: the cluster counts a logical CPU for each of them. It starts (a minute
+            # and more, mostly waiting on its processes) while the endpoint deploys.
+            cpus = max(2, len(settings.vllm_models))
+            app = vllm_app(settings.vllm_args(), num_cpus=cpus)
+            vllm_started = _enter_in_background(stack, app)
         if settings.modes:
             stack.enter_context(ray_session())
             base = serve_on_loopback()
@@ -246,13 +272,8 @@ def run_sweep(
             for mode in settings.modes:
                 deploy(settings.replica_args(mode), f"sweep-{mode}", base, route_prefix=f"/{mode}")
                 urls[mode] = base
-        if settings.vllm_models:
-            if vllm_app is None:
-                from pipeline.bench.vllm_app_launcher import vllm_app
-            # One engine replica (1 CPU bundle) per model id, all resident while one is
-            # measured: the cluster counts a logical CPU for each of them.
-            cpus = max(2, len(settings.vllm_models))
-            urls[VLLM] = stack.enter_context(vllm_app(settings.vllm_args(), num_cpus=cpus)).url
+        if vllm_started is not None:
+            urls[VLLM] = vllm_started.result().url
         first = next(iter(sources.values()))[0]
         asyncio.run(_warm_up(urls, first, settings))
         for source, texts in sources.items():
