@@ -10,6 +10,7 @@ vLLM runs in its own environment (`make vllm-env`; SPECBOUND_VLLM_PYTHON to use 
     python -m jobs.bench_vllm                                   # everything (long)
     python -m jobs.bench_vllm --domains code --concurrency 1,8 --repeats 1 --limit 4
     python -m jobs.bench_vllm --methods none,ours:k=4,draft_model:k=2..4 --no-engine
+    python -m jobs.bench_vllm --methods none,ours:k=4:design=off --interleave cells --no-engine
 
 Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expands):
   none                      vLLM without speculation (every ratio's baseline)
@@ -85,6 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_METHODS,
         help=f"vLLM methods (see above; default: {DEFAULT_METHODS}); '' for none",
     )
+    p.add_argument(
+        "--interleave",
+        choices=("methods", "cells"),
+        default="methods",
+        help="methods (default): each repeat starts every method's engine in turn and runs "
+        "every cell on it; cells: every engine starts once and stays up (each with its own KV "
+        "cache), the methods alternating cell by cell, so a drift of the machine shorter than "
+        "a repeat touches all alike (engines keep what they learned across repeats)",
+    )
     p.add_argument("--no-engine", action="store_true", help="skip our engine's rows")
     p.add_argument(
         "--preload-iomp",
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
             (args.device, args.dtype, args.experts_implementation),
             progress=lambda line: print(line, flush=True),
             extra_env=_preload(args.preload_iomp),
+            interleave=args.interleave,
         )
     summary = result["summary"]
     params = {k: str(v) for k, v in vars(args).items() if k not in ("method_list", "domain_list")}

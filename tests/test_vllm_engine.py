@@ -100,6 +100,37 @@ def test_the_calibration_drafter_records_every_step_in_vllm(scenarios):
 # -- the calibration drafter's own logic, no engine ----------------------------------------
 
 
+def test_bench_methods_alternate_cell_by_cell_on_engines_that_stay_up(scenarios):
+    run = scenarios["bench_by_cells"]
+    results, progress = run["results"], run["progress"]
+    assert results["interleave"] == "cells"
+    # Each engine started once, then every (repeat, cell) ran every method, the order flipped
+    # on every other cell.
+    assert [line for line in progress if "starting vLLM" in line] == [
+        "none: starting vLLM",
+        "dm2: starting vLLM",
+    ]
+    ran = [line.split(":")[0] for line in progress if "tok/s" in line]
+    assert ran == [
+        f"repeat {rep}/2  {name}"
+        for rep, firsts in ((1, ("none", "dm2")), (2, ("none", "dm2")))
+        for order in (firsts, firsts[::-1])
+        for name in order
+    ]
+    runs = {(r["repeat"], r["method"]): r for r in results["runs"]}
+    assert set(runs) == {(rep, m) for rep in (0, 1) for m in ("none", "dm2")}
+    for r in runs.values():
+        assert r["error"] is None and [c["concurrency"] for c in r["cells"]] == [1, 2]
+        assert all(c["tokens"] == 24 for c in r["cells"])
+    # One start per engine, recorded in each of its runs; greedy text the same for both.
+    assert runs[(0, "dm2")]["start_s"] == runs[(1, "dm2")]["start_s"] > 0
+    for key in runs:
+        assert [c["outputs"] for c in runs[key]["cells"]] == [
+            c["outputs"] for c in runs[(0, "none")]["cells"]
+        ]
+    assert runs[(1, "dm2")]["cells"][0]["spec"]["drafts"] > 0
+
+
 def test_draft_checked_before_an_engine_starts(tmp_path):
     target = ROOT / "models" / "target"
     assert calib.check_draft(calib.CalibrationConfig(), target) == ROOT / "models" / "draft"

@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "models", "target")
@@ -175,6 +176,38 @@ def main(out_path: str) -> None:
     llm = engine(None, **small)
     result["preempted_plain"] = ids(llm.generate(prompts, long, use_tqdm=False))
     del llm
+
+    # jobs.bench_vllm's vLLM run with the methods alternating cell by cell (both engines up
+    # at once): two cells, two repeats.
+    from pipeline.bench.vllm_run_cells import run_spec
+
+    lines: list[str] = []
+    bench_cells = [
+        {"domain": "code", "temperature": 0.0, "concurrency": c, "max_tokens": 12, "seed": 0}
+        | {"prompts": [p["prompt_token_ids"] for p in prompts[:2]]}
+        for c in (1, 2)
+    ]
+    bench = {
+        "model": TARGET,
+        "max_model_len": 256,
+        "repeats": 2,
+        "interleave": "cells",
+        "methods": [
+            {"name": "none", "speculative_config": None},
+            {"name": "dm2", "speculative_config": dict(drafted, num_speculative_tokens=2)},
+        ],
+        "cells": bench_cells,
+    }
+    kv_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB, the least it takes: two engines start
+    gc.freeze()  # (see engine: both start before either stops)
+    try:
+        by_cells = run_spec(bench, Path(os.path.dirname(out_path)) / "by_cells.json", lines.append)
+    finally:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        if kv_space is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_space
+    result["bench_by_cells"] = {"results": by_cells, "progress": lines}
 
     # The step-cost calibration's vLLM side (jobs.calibrate_vllm's run) at a small size: the
     # calibration drafter's random lengths and its records of every step (last: it sets

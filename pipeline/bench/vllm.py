@@ -154,9 +154,11 @@ def bench_vllm(
     model_args: tuple = ("cpu", "float32", "eager"),
     progress=print,
     extra_env: dict | None = None,
+    interleave: str = "methods",
 ) -> dict:
     """The whole benchmark: prompts, vLLM's methods (a subprocess), our engine's rows, the
-    tables; raw results, summary and tables written under ``out``."""
+    tables; raw results, summary and tables written under ``out``. ``interleave``: what
+    alternates in the vLLM run (pipeline.bench.vllm_run_cells)."""
     from pipeline.bench.vllm_tables import format_tables, summarize
     from pipeline.models.loading import load_tokenizer
 
@@ -177,6 +179,7 @@ def bench_vllm(
             "repeats": repeats,
             "methods": [m.entry(draft) for m in methods],
             "cells": cells,
+            "interleave": interleave,
         }
         progress(f"vLLM: {len(methods)} methods, log in {out / 'vllm.log'}")
         runs += run_vllm(spec, out, progress, extra_env)["runs"]

@@ -27,7 +27,7 @@ PLANNER_LOG_ENV = "SPECBOUND_PLANNER_LOG"  # pipeline.vllm_spec.scheduler's repo
 
 
 @contextmanager
-def _environ(extra: dict[str, str] | None) -> Iterator[None]:
+def environ(extra: dict[str, str] | None) -> Iterator[None]:
     """Env settings the engine reads at start (its processes inherit them), restored after."""
     saved = {k: os.environ.get(k) for k in extra or {}}
     os.environ.update(extra or {})
@@ -212,6 +212,46 @@ def shutdown_llm(llm: Any) -> None:
         gc.collect()
 
 
+@contextmanager
+def engine_session(
+    model: str,
+    max_model_len: int,
+    speculative_config: dict | None,
+    cells: list[dict],
+    env: dict[str, str] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> Iterator[tuple[Any, float]]:
+    """(an engine sized for ``cells``, its start time in s) until the block ends; one short
+    warm-up generation first (the engine's first steps are slow). ``env`` is set while it
+    starts, warms up and stops (several engines may be open at once: a cell run on one sets
+    it again, ``environ``)."""
+    max_num_seqs = max([int(c["concurrency"]) for c in cells] + [1])
+    with environ(env):
+        t0 = time.perf_counter()
+        llm = start_llm(
+            model, max_model_len, max_num_seqs, speculative_config, **(engine_kwargs or {})
+        )
+        start_s = time.perf_counter() - t0
+    try:
+        with environ(env):
+            warm = cells[0]["prompts"][: max(1, min(2, max_num_seqs))]
+            closed_loop(llm, warm, len(warm), 0.0, 8, 0, "warmup")
+        yield llm, start_s
+    finally:
+        with environ(env):
+            shutdown_llm(llm)
+
+
+def cell_line(cell: dict, res: dict) -> str:
+    """A cell's progress line."""
+    acc = res["mean_accepted_len"]
+    return (
+        f"    {cell['domain']:<9} T={cell['temperature']:g} "
+        f"c={cell['concurrency']:<3} {res['tok_s']:8.1f} tok/s"
+        + (f"  acc len {acc:.2f}" if acc else "")
+    )
+
+
 def run_method(
     model: str,
     max_model_len: int,
@@ -221,31 +261,16 @@ def run_method(
     progress: Callable[[str], None] = print,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> dict:
-    """Every cell on one engine: {"start_s", "cells": [...]}. One short warm-up generation
-    first (the engine's first steps are slow); the drafter's counters are read as deltas."""
-    max_num_seqs = max([int(c["concurrency"]) for c in cells] + [1])
-    with _environ(env):
-        t0 = time.perf_counter()
-        llm = start_llm(
-            model, max_model_len, max_num_seqs, speculative_config, **(engine_kwargs or {})
-        )
-        start_s = time.perf_counter() - t0
-        try:
-            warm = cells[0]["prompts"][: max(1, min(2, max_num_seqs))]
-            closed_loop(llm, warm, len(warm), 0.0, 8, 0, "warmup")
-            out = []
+    """Every cell on one engine: {"start_s", "cells": [...]}; the drafter's counters are read
+    as deltas."""
+    with engine_session(model, max_model_len, speculative_config, cells, env, engine_kwargs) as (
+        llm,
+        start_s,
+    ):
+        out = []
+        with environ(env):
             for j, cell in enumerate(cells):
                 res = run_cell(llm, cell, f"c{j}")
-                progress(
-                    f"    {cell['domain']:<9} T={cell['temperature']:g} "
-                    f"c={cell['concurrency']:<3} {res['tok_s']:8.1f} tok/s"
-                    + (
-                        f"  acc len {res['mean_accepted_len']:.2f}"
-                        if res["mean_accepted_len"]
-                        else ""
-                    )
-                )
+                progress(cell_line(cell, res))
                 out.append(res)
-        finally:
-            shutdown_llm(llm)
     return {"start_s": start_s, "cells": out}

@@ -11,6 +11,11 @@ Repeats are interleaved (for each repeat, every method: start an engine, run eve
 it down), the method order reversed on odd repeats so drift slows every method alike. The
 results file is rewritten after each (repeat, method), so a crash loses only the run in
 progress; a method whose engine fails is recorded with its error and not tried again.
+
+With ``"interleave": "cells"`` every method's engine starts once and stays up, and the methods
+alternate cell by cell (for each repeat, each cell, every method, the order reversed on every
+other cell): a drift of the machine shorter than a repeat then touches every method alike.
+Engines keep what they learned from one repeat to the next; each holds its own KV cache.
 """
 
 from __future__ import annotations
@@ -22,9 +27,18 @@ import re
 import sys
 import time
 import traceback
+from contextlib import ExitStack
 from pathlib import Path
 
-from pipeline.bench.vllm_cells import DRAFTER_STATS_ENV, PLANNER_LOG_ENV, run_method
+from pipeline.bench.vllm_cells import (
+    DRAFTER_STATS_ENV,
+    PLANNER_LOG_ENV,
+    cell_line,
+    engine_session,
+    environ,
+    run_cell,
+    run_method,
+)
 
 
 def _write(path: Path, results: dict) -> None:
@@ -41,7 +55,25 @@ def _error(exc: BaseException) -> str:
     return " <- ".join(f"{type(e).__name__}: {e}" for e in causes)[:2000]
 
 
+def _method_env(method: dict, out: Path, tag: str) -> dict[str, str]:
+    """The method's env, with the files its drafter's counters and its scheduler's report go
+    to (``tag``: which run of it)."""
+    env = {k: str(v) for k, v in (method.get("env") or {}).items()}
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", method["name"])
+    if method.get("speculative_config"):
+        drafter = out.with_name(f"{out.stem}.{slug}.{tag}.drafter")
+        drafter.unlink(missing_ok=True)
+        env[DRAFTER_STATS_ENV] = str(drafter.resolve())
+    if "scheduler_cls" in (method.get("engine_kwargs") or {}):
+        planner = out.with_name(f"{out.stem}.{slug}.{tag}.planner")
+        planner.unlink(missing_ok=True)
+        env[PLANNER_LOG_ENV] = str(planner.resolve())
+    return env
+
+
 def run_spec(spec: dict, out: Path, progress=print) -> dict:
+    if spec.get("interleave", "methods") == "cells":
+        return run_spec_by_cells(spec, out, progress)
     methods, cells = spec["methods"], spec["cells"]
     repeats = int(spec.get("repeats", 1))
     results: dict = {
@@ -60,16 +92,7 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
                 run["error"] = f"not run: failed in an earlier repeat ({failed[name]})"
                 results["runs"].append(run)
                 continue
-            env = {k: str(v) for k, v in (method.get("env") or {}).items()}
-            slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-            if method.get("speculative_config"):
-                drafter = out.with_name(f"{out.stem}.{slug}.r{rep}.drafter")
-                drafter.unlink(missing_ok=True)
-                env[DRAFTER_STATS_ENV] = str(drafter.resolve())
-            if "scheduler_cls" in (method.get("engine_kwargs") or {}):
-                planner = out.with_name(f"{out.stem}.{slug}.r{rep}.planner")
-                planner.unlink(missing_ok=True)
-                env[PLANNER_LOG_ENV] = str(planner.resolve())
+            env = _method_env(method, out, f"r{rep}")
             progress(f"repeat {rep + 1}/{repeats}  {name}: starting vLLM")
             t0 = time.perf_counter()
             try:
@@ -96,6 +119,70 @@ def run_spec(spec: dict, out: Path, progress=print) -> dict:
             results["runs"].append(run)
             _write(out, results)
             progress(f"repeat {rep + 1}/{repeats}  {name}: done in {run['total_s']:.0f} s")
+    _write(out, results)
+    return results
+
+
+def run_spec_by_cells(spec: dict, out: Path, progress=print) -> dict:
+    """``"interleave": "cells"``: every engine up at once, the methods alternating cell by cell;
+    the results as run_spec's, one run per (repeat, method)."""
+    methods, cells = spec["methods"], spec["cells"]
+    repeats = int(spec.get("repeats", 1))
+    results: dict = {
+        "model": spec["model"],
+        "repeats": repeats,
+        "methods": [m["name"] for m in methods],
+        "interleave": "cells",
+        "runs": [],
+    }
+    runs = {
+        (rep, m["name"]): {"repeat": rep, "method": m["name"], "error": None, "cells": []}
+        for rep in range(repeats)
+        for m in methods
+    }
+    results["runs"] = list(runs.values())
+    envs = {m["name"]: _method_env(m, out, "all") for m in methods}
+    engines: dict[str, object] = {}
+    with ExitStack() as stack:
+        for method in methods:
+            name = method["name"]
+            progress(f"{name}: starting vLLM")
+            try:
+                llm, start_s = stack.enter_context(
+                    engine_session(
+                        spec["model"],
+                        int(spec["max_model_len"]),
+                        method.get("speculative_config"),
+                        cells,
+                        envs[name],
+                        method.get("engine_kwargs"),
+                    )
+                )
+            except Exception as exc:  # a method that cannot run is a result, not the end
+                traceback.print_exc()
+                progress(f"{name}: FAILED {_error(exc)[:300]}")
+                for rep in range(repeats):
+                    runs[(rep, name)]["error"] = _error(exc)
+                continue
+            engines[name] = llm
+            for rep in range(repeats):
+                runs[(rep, name)]["start_s"] = start_s
+        for rep in range(repeats):
+            for j, cell in enumerate(cells):
+                order = methods if (rep * len(cells) + j) % 2 == 0 else methods[::-1]
+                for method in order:
+                    name = method["name"]
+                    if name not in engines:
+                        continue
+                    with environ(envs[name]):
+                        res = run_cell(engines[name], cell, f"r{rep}c{j}")
+                    progress(f"repeat {rep + 1}/{repeats}  {name}:" + cell_line(cell, res)[3:])
+                    runs[(rep, name)]["cells"].append(res)
+            _write(out, results)
+    for name, env in envs.items():  # each scheduler reports when its engine stops
+        planner = Path(env.get(PLANNER_LOG_ENV, ""))
+        if name in engines and PLANNER_LOG_ENV in env and planner.exists():
+            runs[(repeats - 1, name)]["planner"] = planner.read_text().splitlines()[-1:]
     _write(out, results)
     return results
 
