@@ -13,9 +13,10 @@ results file is rewritten after each (repeat, method), so a crash loses only the
 progress; a method whose engine fails is recorded with its error and not tried again.
 
 With ``"interleave": "cells"`` every method's engine starts once and stays up, and the methods
-alternate cell by cell (for each repeat, each cell, every method, the order reversed on every
-other cell): a drift of the machine shorter than a repeat then touches every method alike.
-Engines keep what they learned from one repeat to the next; each holds its own KV cache.
+alternate cell by cell (for each repeat, each cell, every method; the order reversed from one
+cell to the next and, for a cell, from one repeat to the next): a drift of the machine shorter
+than a repeat then touches every method alike. Engines keep what they learned from one repeat
+to the next; each holds its own KV cache.
 """
 
 from __future__ import annotations
@@ -169,7 +170,9 @@ def run_spec_by_cells(spec: dict, out: Path, progress=print) -> dict:
                 runs[(rep, name)]["start_s"] = start_s
         for rep in range(repeats):
             for j, cell in enumerate(cells):
-                order = methods if (rep * len(cells) + j) % 2 == 0 else methods[::-1]
+                # Flipped cell by cell and repeat by repeat: a cell's first method changes
+                # between repeats whatever the number of cells.
+                order = methods if (rep + j) % 2 == 0 else methods[::-1]
                 for method in order:
                     name = method["name"]
                     if name not in engines:
