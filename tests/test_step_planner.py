@@ -448,10 +448,10 @@ def _decode(planner: StepPlanner, steps: int, noisy: int, rows: int = 8) -> np.n
 def test_a_planner_misled_by_a_slow_start_drafts_again_sooner_when_it_unlocks() -> None:
     """Drafted steps that were slow at the start (5x, the first 100 steps) price drafting
     above what it pays, and steps at 0 measure nothing that corrects it: without unlock_every
-    the planner sits at 0 until forgetting wears that evidence off (none of the 1000 steps
-    after the noise drafted here; it drafts again past step 1500); with it, the pairs of
-    drafted steps measure drafting at its true cost and the planner is drafting by choice
-    again within a few hundred steps."""
+    the planner stops drafting within 100 steps of the noise's end (the fit applies steps 16
+    at a time) and sits at 0 from there to the end; with it, the pairs of drafted steps
+    measure drafting at its true cost and the planner is drafting by choice again within a
+    few hundred steps."""
     for every in (0, 32):
         planner = StepPlanner(4, PlannerConfig(unlock_every=every), Priors(rates={"greedy": 0.6}))
         chosen = _decode(planner, 2000, noisy=100)
@@ -459,4 +459,4 @@ def test_a_planner_misled_by_a_slow_start_drafts_again_sooner_when_it_unlocks() 
         if every:
             assert after > 0.5 and late > 0.95
         else:
-            assert after == 0.0 and late < 0.5
+            assert not chosen[200:].any() and after < 0.1

@@ -15,8 +15,9 @@ it processes, which vLLM hands the drafter for the step's own tokens only: the s
 are kept per request (CPU memory: the tapped width x 4 bytes per missed token, e.g. 1.5 KB for
 the embedded target, 48 KB for three taps of a 4096-wide model) until it catches up.
 
-Bounded: when skipping a step would leave more than ``backlog_tokens`` missed tokens in the
-batch (default half ``max_num_batched_tokens``, the drafter's buffers), the step runs its
+Bounded: when skipping a step would leave a row of the draft model, or the batch of an EAGLE
+head (whose kept hidden states are memory), more than ``backlog_tokens`` missed tokens
+(default half ``max_num_batched_tokens``, the drafter's buffers), the step runs its
 (extended) first pass anyway and proposes nothing, as vLLM does. A pass never outgrows the
 buffers: a row whose catch-up does not fit beside the step's tokens is left behind for a later
 pass, drafting from its stale KV meanwhile (writing past them corrupted the worker's heap).
@@ -46,8 +47,9 @@ class CatchUp:
     catch_up = True
     # False only in tests: take a cached prefix's draft KV as it is, stale or not.
     check_prefix = True
-    # Missed tokens a batch may carry before a k = 0 step runs its forward anyway; None: half
-    # the drafter's token buffers (max_num_batched_tokens).
+    # Missed tokens a row (a draft model's) or the batch (an EAGLE head's) may carry before a
+    # k = 0 step runs its forward anyway; None: half the drafter's token buffers
+    # (max_num_batched_tokens).
     backlog_limit: int | None = None
 
     def __init__(self, vllm_config, device, runner=None):
@@ -93,6 +95,19 @@ class CatchUp:
             else:
                 self.missed_from[req_id] = min(self.missed_from.get(req_id, first), first)
 
+    def over_backlog(self, req_ids: list[str], starts, lens) -> bool:
+        """Whether skipping a step of ``lens`` tokens from ``starts`` would pass the backlog
+        bound: an EAGLE head keeps the target's hidden states of what it missed in memory,
+        bounded for the batch; a draft model keeps nothing (its KV slots are the request's
+        own), so only each row's catch-up must fit one pass. A row's backlog: its tokens
+        since the first position it missed."""
+        get = self.missed_from.get
+        missed = [
+            s + n - get(r, s) for r, s, n in zip(req_ids, _ints(starts), _ints(lens), strict=True)
+        ]
+        worst = sum(missed) if self.pass_hidden_states_to_model else max(missed, default=0)
+        return worst > self.backlog_tokens
+
     def skip_step(
         self,
         req_ids: list[str],
@@ -105,27 +120,39 @@ class CatchUp:
         for a drafter that reads them, the step's target hidden states), or run it to empty a
         backlog that would pass ``backlog_tokens`` (False). ``table``: the rows' block ids."""
         self._note_prefixes(req_ids, starts, table)
-        ends = starts + lens
-        backlog = sum(
-            int(end) - self.missed_from.get(r, int(s))
-            for r, s, end in zip(req_ids, starts, ends, strict=True)
-        )
-        self._count(steps=1)
-        if backlog > self.backlog_tokens:
-            self._count(flushed=1)
+        if self.over_backlog(req_ids, starts, lens):
+            self._count(steps=1, flushed=1)
             return False
-        offset = 0
-        for i, (req_id, start, n) in enumerate(zip(req_ids, starts, lens, strict=True)):
-            self.missed_from[req_id] = min(self.missed_from.get(req_id, int(start)), int(start))
-            if self.pass_hidden_states_to_model and hidden is not None:
-                chunk = hidden[offset : offset + int(n)].to("cpu", copy=True)
-                self.missed_hidden.setdefault(req_id, []).append((int(start), chunk))
-            offset += int(n)
-            if self.stale is not None:
-                self.stale.skipped(table[i], int(start), int(start) + int(n))
-        self._last_draft_probs = None
-        self._count(skipped=1)
+        self.skipped(req_ids, starts, lens, hidden, table)
         return True
+
+    def skipped(
+        self,
+        req_ids: list[str],
+        starts: np.ndarray,
+        lens: np.ndarray,
+        hidden: torch.Tensor | None,
+        table: np.ndarray,
+    ) -> None:
+        """Remember a step the draft did not run: each row's first missed position and, for a
+        drafter that reads them, the step's target hidden states (batch order)."""
+        starts, lens = _ints(starts), _ints(lens)
+        missed_from = self.missed_from
+        for req_id, start in zip(req_ids, starts, strict=True):
+            first = missed_from.get(req_id)
+            if first is None or start < first:  # earlier after a preemption's recompute
+                missed_from[req_id] = start
+        if self.pass_hidden_states_to_model and hidden is not None:
+            offset = 0
+            for req_id, start, n in zip(req_ids, starts, lens, strict=True):
+                chunk = hidden[offset : offset + n].to("cpu", copy=True)
+                self.missed_hidden.setdefault(req_id, []).append((start, chunk))
+                offset += n
+        if self.stale is not None:
+            for i, (start, n) in enumerate(zip(starts, lens, strict=True)):
+                self.stale.skipped(table[i], start, start + n)
+        self._last_draft_probs = None
+        self._count(steps=1, skipped=1)
 
     def propose(
         self,
@@ -286,6 +313,10 @@ class CatchUp:
         )
         new_pos = new_pos.to(device=device, dtype=positions.dtype)
         return new_ids, new_pos, new_hidden, to_sample, new_cad
+
+
+def _ints(values) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
 
 
 class CatchUpDraftModelProposer(CatchUp, DraftModelProposer):

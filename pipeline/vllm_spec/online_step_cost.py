@@ -28,6 +28,9 @@ import numpy as np
 from pipeline.vllm_spec.priors import Priors
 
 TERMS = ("c0", "c_pos", "c_union", "c_row", "d0", "d_row", "s0", "s_row")
+# Timed steps applied to the fit together; the coefficients the scheduler prices with are at
+# most this many steps behind (what it forgets in a step: 0.5%).
+FIT_EVERY = 16
 DEFAULT_COST = (7.0, 0.1, 0.0, 0.0, 1.0, 0.05, 0.5, 0.05)  # ms, in TERMS' order
 
 
@@ -49,6 +52,8 @@ class OnlineStepCost:
         row_terms: bool = True,
     ):
         calibrated = use_priors and priors.cost is not None
+        self._pending: list[tuple[int, int, int, float]] = []  # steps not yet applied
+        self._unsolved = False
         self.theta = np.array(priors.cost if calibrated else prior_cost, dtype=float)
         self.prior_theta = self.theta.copy()
         self.forget = forget
@@ -88,32 +93,94 @@ class OnlineStepCost:
     def step_ms(self, positions: float, k: float, rows: float) -> float:
         # The sum, not each term: terms collinear over the steps seen (P = 1 + k at one row)
         # trade off in the fit, and only their sum is measured.
-        return float(features(positions, k, rows, self.union(positions)) @ self.theta)
+        return float(features(positions, k, rows, self.union(positions)) @ self._solved())
+
+    def steps_ms(self, positions: np.ndarray, ks: np.ndarray, rows: int) -> np.ndarray:
+        """step_ms of each (positions, k) pair, at once."""
+        p, k = np.asarray(positions, dtype=float), np.asarray(ks, dtype=float)
+        union = np.zeros_like(p)
+        if self.union_model is not None:
+            experts, top_k, r = self.union_model
+            union = np.where(p > 0, experts - (experts - top_k) * r ** (p - 1), 0.0)
+        drafting = (k > 0).astype(float)
+        x = np.stack(
+            [
+                np.ones_like(p),
+                p,
+                union,
+                np.full_like(p, rows),
+                k,
+                k * rows,
+                drafting,
+                drafting * rows,
+            ],
+            axis=1,
+        )
+        return x @ self._solved()
 
     def position_ms(self, positions: float) -> float:
         """What one more verified position costs in a step of ``positions``: its own work and
         the experts it adds to the step's union."""
         extra = self.union(positions + 1) - self.union(positions)
-        return float(self.theta[1] + self.theta[2] * extra)
+        theta = self._solved()
+        return float(theta[1] + theta[2] * extra)
+
+    @property
+    def theta(self) -> np.ndarray:
+        """The coefficients with every step fitted so far."""
+        self._apply()
+        return self._solved()
+
+    @theta.setter
+    def theta(self, value: np.ndarray) -> None:
+        self._apply()
+        self._theta = np.asarray(value, dtype=float)
+        self._unsolved = False
+
+    def _solved(self) -> np.ndarray:
+        """The coefficients as of the last applied steps (at most FIT_EVERY - 1 behind)."""
+        if self._unsolved:
+            self._theta = np.linalg.solve(self.info, self.info_theta)
+            self._unsolved = False
+        return self._theta
 
     def fit(self, positions: int, k: int, rows: int, ms: float) -> None:
-        """One timed decode step."""
-        x = features(positions, k, rows, self.union(positions))
+        """One timed decode step: applied with the next ``FIT_EVERY`` - 1 (or when the
+        coefficients are read), an update of a few 8 x 8 arrays and a solve costing a sixth of
+        a millisecond a step in the engine's loop otherwise, where speculation held off had
+        nothing else to pay."""
+        self._pending.append((positions, k, rows, ms))
+        if len(self._pending) >= FIT_EVERY:
+            self._apply()
+
+    def _apply(self) -> None:
+        """The pending steps' update, as applying them one by one would make it, each step's
+        robust target taken from the coefficients as they stood before the batch."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        x = np.array([features(p, k, b, self.union(p)) for p, k, b, _ in pending])
+        ms = np.array([m for *_, m in pending])
         # Robust to the odd slow step (a first forward at a new shape, the host stalling):
         # one step moves the fit by at most half its prediction plus a millisecond.
-        predicted = float(x @ self.theta)
-        cell = self.cells.setdefault((int(rows), int(k)), [0, 0.0, 0.0])
-        cell[0] += 1
-        cell[1] += ms
-        cell[2] += predicted
-        bound = 0.5 * abs(predicted) + 1.0
-        y = predicted + float(np.clip(ms - predicted, -bound, bound))
-        lam, held = self.forget, 1.0 - self.forget
-        self.info = lam * self.info + np.outer(x, x) + held * self.prior_info
+        predicted = x @ self._solved()
+        bound = 0.5 * np.abs(predicted) + 1.0
+        y = predicted + np.clip(ms - predicted, -bound, bound)
+        for (_, k, b, m), guess in zip(pending, predicted.tolist(), strict=True):
+            cell = self.cells.setdefault((int(b), int(k)), [0, 0.0, 0.0])
+            cell[0] += 1
+            cell[1] += m
+            cell[2] += guess
+        lam, n = self.forget, len(pending)
+        weight = lam ** np.arange(n - 1, -1, -1.0)  # the later a step, the less forgotten
+        held = (1.0 - lam) * float(weight.sum())  # the prior's share, re-added every step
+        self.info = lam**n * self.info + (x * weight[:, None]).T @ x + held * self.prior_info
         self.info_theta = (
-            lam * self.info_theta + x * y + held * (self.prior_info @ self.prior_theta)
+            lam**n * self.info_theta
+            + x.T @ (weight * y)
+            + held * (self.prior_info @ self.prior_theta)
         )
-        self.theta = np.linalg.solve(self.info, self.info_theta)
+        self._unsolved = True
 
     def coefficients(self) -> str:
         return ", ".join(f"{name} {v:.3f}" for name, v in zip(TERMS, self.theta, strict=True))

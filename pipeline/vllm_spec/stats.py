@@ -13,8 +13,9 @@ import numpy as np
 # The catch-up drafter's counters (pipeline.vllm_spec.catch_up_draft), when this names a file.
 DRAFTER_STATS_ENV = "SPECBOUND_DRAFTER_STATS"
 DRAFTER_FIELDS = (
-    "steps",  # propose() calls
+    "steps",  # steps of a speculating engine the drafter saw
     "skipped",  # of which ran no draft forward (k = 0)
+    "plain",  # of which ran as a step without speculation (pipeline.vllm_spec.free_when_off)
     "flushed",  # k = 0 steps that ran the forward to empty a full backlog
     "caught_up",  # missed tokens fed to a later first pass
     "deferred",  # rows left behind by a first pass that had no room for their catch-up

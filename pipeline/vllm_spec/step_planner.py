@@ -275,11 +275,12 @@ class StepPlanner:
             return int(self.rng.integers(0, top + 1))
         rates = np.array([self.rate(r) for r in request_ids])
         rows = len(request_ids)
-        worth = []
-        for k in range(top + 1):
-            positions = float(np.sum(1 + np.minimum(k, caps)))
-            ms = max(self.step_ms(positions, k, rows), 1e-3)
-            worth.append(self.expected_tokens(rates, k, caps) / ms)
+        # Every k at once: each row verifies min(k, its cap) drafts.
+        ks = np.arange(top + 1)
+        verified = np.minimum(ks[:, None], caps[None, :])
+        tokens = np.sum((1.0 - rates ** (verified + 1)) / (1.0 - rates), axis=1)
+        ms = np.maximum(self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows), 1e-3)
+        worth = tokens / ms
         best_k = int(np.argmax(worth))
         if best_k > 0:
             self._at_zero = self._unlock_left = 0
