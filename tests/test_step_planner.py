@@ -446,17 +446,19 @@ def _decode(planner: StepPlanner, steps: int, noisy: int, rows: int = 8) -> np.n
 
 
 def test_a_planner_misled_by_a_slow_start_drafts_again_sooner_when_it_unlocks() -> None:
-    """Drafted steps that were slow at the start (5x, the first 100 steps) price drafting
+    """Drafted steps that were slow at the start (5x, the first 200 steps) price drafting
     above what it pays, and steps at 0 measure nothing that corrects it: without unlock_every
-    the planner stops drafting within 100 steps of the noise's end (the fit applies steps 16
-    at a time) and sits at 0 from there to the end; with it, the pairs of drafted steps
-    measure drafting at its true cost and the planner is drafting by choice again within a
-    few hundred steps."""
+    the planner stops drafting soon after the noise and sits at 0 to the end; with it, the
+    pairs of drafted steps measure drafting at its true cost and the planner is drafting by
+    choice again in most of the last 1000 steps. (Since the fit applies steps 16 at a time and
+    a pricing serves up to 8 steps, 100 noisy steps no longer mislead it at all, and the
+    recovery after 200 is slower than with a fit and a pricing per step: 0.55 of the last 1000
+    steps drafted, where those drafted in all of them.)"""
     for every in (0, 32):
         planner = StepPlanner(4, PlannerConfig(unlock_every=every), Priors(rates={"greedy": 0.6}))
-        chosen = _decode(planner, 2000, noisy=100)
-        after, late = (float(np.mean(chosen[a:b] > 0)) for a, b in ((100, 1100), (1000, 2000)))
+        chosen = _decode(planner, 2000, noisy=200)
+        after, late = (float(np.mean(chosen[a:b] > 0)) for a, b in ((200, 1200), (1000, 2000)))
         if every:
-            assert after > 0.5 and late > 0.95
+            assert late > 0.5
         else:
-            assert not chosen[200:].any() and after < 0.1
+            assert after < 0.1 and late == 0.0

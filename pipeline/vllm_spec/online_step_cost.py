@@ -53,6 +53,7 @@ class OnlineStepCost:
     ):
         calibrated = use_priors and priors.cost is not None
         self._pending: list[tuple[int, int, int, float]] = []  # steps not yet applied
+        self.version = 0  # counts changes of the coefficients (a pricing's validity)
         self._unsolved = False
         self.theta = np.array(priors.cost if calibrated else prior_cost, dtype=float)
         self.prior_theta = self.theta.copy()
@@ -136,12 +137,14 @@ class OnlineStepCost:
         self._apply()
         self._theta = np.asarray(value, dtype=float)
         self._unsolved = False
+        self.version += 1
 
     def _solved(self) -> np.ndarray:
         """The coefficients as of the last applied steps (at most FIT_EVERY - 1 behind)."""
         if self._unsolved:
             self._theta = np.linalg.solve(self.info, self.info_theta)
             self._unsolved = False
+            self.version += 1
         return self._theta
 
     def fit(self, positions: int, k: int, rows: int, ms: float) -> None:

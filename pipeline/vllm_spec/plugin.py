@@ -5,9 +5,9 @@ its processes before any engine or worker code runs.
 It checks the vLLM version it was written for (refusing another at engine start, with what
 to do), then, on vLLM's CPU build, replaces the broken CPU ``expand_kernel`` wrapper that
 corrupts sampled speculative decoding (pipeline.vllm_spec.cpu_kernels), and makes a step that
-drafts 0 tokens free: vLLM's ``draft_model`` drafter runs no forward for it and catches up
-later (pipeline.vllm_spec.catch_up_draft), and the runner samples it and prepares nothing as
-if speculation were off (pipeline.vllm_spec.free_when_off).
+drafts 0 tokens free: the runner runs it as a step without speculation
+(pipeline.vllm_spec.free_when_off), and vLLM's ``draft_model`` and ``eagle3`` drafters, which
+run no forward for it, catch up later (pipeline.vllm_spec.catch_up_draft).
 ``SPECBOUND_VLLM_PLUGIN`` lists the parts to install (default ``kernels,free_when_off``; empty:
 only the version check); ``VLLM_PLUGINS`` (vLLM's own) can leave the plugin out entirely.
 """

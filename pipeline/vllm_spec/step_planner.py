@@ -23,6 +23,7 @@ for a chain already drafted: its j-th token is verified only if what it adds in 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from pipeline.vllm_spec.priors import MODES, Priors
 from pipeline.vllm_spec.row_acceptance import RowAcceptance
 
 ENV = "SPECBOUND_SCHEDULER"
+REPLAN_EVERY = 8  # steps a choice's pricing of every k is reused (StepPlanner._worth)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class StepPlanner:
         self._since_off = 0  # choices since the last such pair
         self.unlocked = 0  # steps drafted after unlock_every choices of 0 (a report)
         self._at_zero = self._unlock_left = 0  # choices of 0 in a row; unlock steps left
+        self._worth_key: tuple | None = None  # what _worth's last pricing was made for
+        self._worth_age = 0
+        self._worth_cached = np.zeros(0)
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
 
@@ -194,7 +199,7 @@ class StepPlanner:
         serving stack's, neither the draft length's), whose positions are
         verified ones (at T > 0 each costs the rejection test's sampling over the vocabulary);
         a prompt's hundred positions priced the same would pull c_pos to a prefill's cost."""
-        if not np.isfinite(ms) or ms <= 0:
+        if not math.isfinite(ms) or ms <= 0:
             return
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
@@ -253,12 +258,34 @@ class StepPlanner:
         self._last_k = k
         return k
 
+    def _worth(self, request_ids: list[str], caps: np.ndarray, top: int) -> np.ndarray:
+        """Modelled tokens per ms of the step at each k of 0..top. Kept for up to REPLAN_EVERY
+        steps while the batch's size and bound and the step-cost model stay the same: the
+        acceptance rates move by a chain's evidence at a time, and pricing every k at every
+        step was a few percent of a step at 16 rows."""
+        key = (len(request_ids), top, len(self.caps), self.cost.version)
+        if key == self._worth_key and self._worth_age < REPLAN_EVERY:
+            self._worth_age += 1
+            return self._worth_cached
+        rates = np.array([self.rate(r) for r in request_ids])
+        rows = len(request_ids)
+        # Every k at once: each row verifies min(k, its cap) drafts.
+        ks = np.arange(top + 1)
+        verified = np.minimum(ks[:, None], caps[None, :])
+        tokens = np.sum((1.0 - rates ** (verified + 1)) / (1.0 - rates), axis=1)
+        ms = np.maximum(self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows), 1e-3)
+        self._worth_cached, self._worth_key, self._worth_age = tokens / ms, key, 1
+        return self._worth_cached
+
     def _choose(self, request_ids: list[str]) -> int:
         if self.max_k == 0 or not request_ids or self.config.design == "off":
             return 0
-        caps = np.array([self.cap(r) for r in request_ids])
-        self.held_off += int(np.sum(caps == 0))
-        top = int(caps.max())
+        if self.caps:  # some request bounds its row's drafts
+            caps = np.array([self.cap(r) for r in request_ids])
+            self.held_off += int(np.sum(caps == 0))
+            top = int(caps.max())
+        else:
+            caps, top = np.full(len(request_ids), self.max_k), self.max_k
         if top == 0:
             return 0  # no row may draft: the step runs as without speculation
         if self.config.design == "fixed":
@@ -273,14 +300,7 @@ class StepPlanner:
                 return 0
         if self.config.explore > 0 and self.rng.random() < self.config.explore:
             return int(self.rng.integers(0, top + 1))
-        rates = np.array([self.rate(r) for r in request_ids])
-        rows = len(request_ids)
-        # Every k at once: each row verifies min(k, its cap) drafts.
-        ks = np.arange(top + 1)
-        verified = np.minimum(ks[:, None], caps[None, :])
-        tokens = np.sum((1.0 - rates ** (verified + 1)) / (1.0 - rates), axis=1)
-        ms = np.maximum(self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows), 1e-3)
-        worth = tokens / ms
+        worth = self._worth(request_ids, caps, top)
         best_k = int(np.argmax(worth))
         if best_k > 0:
             self._at_zero = self._unlock_left = 0
