@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pipeline.vllm_spec.online_step_cost import features
+from pipeline.vllm_spec.planner_config import PlannerConfig
 from pipeline.vllm_spec.priors import Priors, load_priors, mode_of
-from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner
+from pipeline.vllm_spec.step_planner import StepPlanner
 
 ROOT = Path(__file__).resolve().parents[1]
 UNION = (32, 4, 0.9787)  # E, top_k, r: the embedded target's calibration

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from pipeline.vllm_spec.env import vllm_python
 from pipeline.vllm_spec.methods import SCHEDULER_CLASS
-from pipeline.vllm_spec.step_planner import ENV as SCHEDULER_ENV
+from pipeline.vllm_spec.planner_config import ENV as SCHEDULER_ENV
 from vllm_serving.deadline import FINISH_REASON, deadline_chunk, guarded
 from vllm_serving.llm_configs import LOCAL_MODEL_FOLDERS, describe, llm_config_dicts
 from vllm_serving.placement import engine_demand, shortfall

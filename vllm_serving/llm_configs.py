@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.vllm_spec.methods import Method
-from pipeline.vllm_spec.step_planner import PlannerConfig
+from pipeline.vllm_spec.planner_config import PlannerConfig
 from vllm_serving.settings import ServedModel, VllmAppArgs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,7 +44,7 @@ class ServedModel(BaseModel):
     speculation: str = "ours"  # of SPECULATION
     k: int | None = Field(None, ge=1, le=16)  # the longest draft; None: DEFAULT_K
     # The cost-aware scheduler's settings (ours, ours-eagle3):
-    # pipeline.vllm_spec.step_planner.PlannerConfig's fields (SPECBOUND_SCHEDULER).
+    # pipeline.vllm_spec.planner_config.PlannerConfig's fields (SPECBOUND_SCHEDULER).
     policy: dict[str, Any] = {}
     # How the draft model drafts at T > 0 (ours and draft_model): None is the method's default.
     draft_sample_method: str | None = None

@@ -35,6 +35,7 @@ import torch
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from pipeline.vllm_spec.catch_up_inputs import with_missed
 from pipeline.vllm_spec.stale_blocks import StaleBlocks
 from pipeline.vllm_spec.stats import DRAFTER_FIELDS, DRAFTER_STATS_ENV, StatsFile
 from pipeline.vllm_spec.step_rows import block_ids, step_rows
@@ -196,7 +197,8 @@ class CatchUp:
                 target_hidden_states,
                 token_indices_to_sample,
                 cad,
-            ) = self._with_missed(
+            ) = with_missed(
+                self,
                 req_ids,
                 starts,
                 caught,
@@ -250,69 +252,6 @@ class CatchUp:
                 self.missed_hidden.pop(req_id, None)
             if self.stale is not None:
                 self.stale.forget(alive)
-
-    def _hidden_from(self, req_id: str, first: int, start: int, like: torch.Tensor):
-        """The kept target hidden states of positions [first, start): later chunks overwrite
-        earlier ones (a rejected draft's position is processed again)."""
-        out = torch.zeros(start - first, like.shape[-1], dtype=like.dtype)
-        for chunk_start, chunk in self.missed_hidden.get(req_id, []):
-            lo, hi = max(chunk_start, first), min(chunk_start + len(chunk), start)
-            if lo < hi:
-                out[lo - first : hi - first] = chunk[lo - chunk_start : hi - chunk_start]
-        return out
-
-    def _with_missed(self, req_ids, starts, caught, token_ids, positions, hidden, to_sample, cad):
-        """The step's inputs with the missed positions of each request in ``caught`` put before
-        its own (a request left behind keeps this step's hidden states for its catch-up)."""
-        token_ids_cpu = self.runner.input_batch.token_ids_cpu
-        loc = cad.query_start_loc_cpu.to(torch.int64).tolist()
-        reads_hidden = self.pass_hidden_states_to_model
-        ids_parts, pos_parts, hid_parts, lens, added = [], [], [], [], []
-        for i, req_id in enumerate(req_ids):
-            start = int(starts[i])
-            first = min(self.missed_from.get(req_id, start), start) if req_id in caught else start
-            if reads_hidden and req_id not in caught and req_id in self.missed_from:
-                chunk = hidden[loc[i] : loc[i + 1]].to("cpu", copy=True)
-                self.missed_hidden.setdefault(req_id, []).append((start, chunk))
-            if first < start:
-                ids_parts.append(torch.from_numpy(token_ids_cpu[i, first:start].astype(np.int64)))
-                pos_parts.append(torch.arange(first, start, dtype=torch.int64))
-                if reads_hidden:
-                    hid_parts.append(self._hidden_from(req_id, first, start, hidden))
-            ids_parts.append(token_ids[loc[i] : loc[i + 1]].cpu().to(torch.int64))
-            pos_parts.append(positions[loc[i] : loc[i + 1]].cpu().to(torch.int64))
-            if reads_hidden:
-                hid_parts.append(hidden[loc[i] : loc[i + 1]].cpu())
-            lens.append(start - first + loc[i + 1] - loc[i])
-            added.append(start - first)
-        self._count(caught_up=sum(added))
-        device = token_ids.device
-        new_ids = torch.cat(ids_parts).to(device=device, dtype=token_ids.dtype)
-        new_pos = torch.cat(pos_parts)
-        new_hidden = torch.cat(hid_parts).to(device=device) if reads_hidden else hidden
-        query_start = torch.zeros(len(lens) + 1, dtype=cad.query_start_loc_cpu.dtype)
-        query_start[1:] = torch.cumsum(torch.tensor(lens), 0)
-        # Slots of every position from the request's block table (vLLM's first pass
-        # recomputes them for a draft model; an EAGLE head takes these as they are).
-        rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        table = cad.block_table_tensor.cpu()
-        block = table[rows, new_pos // self.block_size].to(torch.int64)
-        slots = block * self.block_size + new_pos % self.block_size
-        if to_sample is not None:  # the sampled index of each row moves by what it gained
-            shift = torch.cumsum(torch.tensor(added), 0).to(to_sample.device, to_sample.dtype)
-            to_sample = to_sample + shift
-        new_cad = cad.replace(
-            query_start_loc=query_start.to(cad.query_start_loc.device),
-            query_start_loc_cpu=query_start,
-            num_actual_tokens=int(query_start[-1]),
-            max_query_len=max(lens),
-            slot_mapping=slots.to(device=cad.slot_mapping.device, dtype=cad.slot_mapping.dtype),
-            positions=None if cad.positions is None else new_pos.to(cad.positions.device),
-            _num_computed_tokens_cache=None,
-            _token_to_req_indices_cache=None,
-        )
-        new_pos = new_pos.to(device=device, dtype=positions.dtype)
-        return new_ids, new_pos, new_hidden, to_sample, new_cad
 
 
 def _ints(values) -> list[int]:

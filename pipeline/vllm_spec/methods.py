@@ -135,7 +135,7 @@ def parse_methods(text: str) -> list[Method]:
 
 def _expand(name: str, knobs: dict, item: str) -> list[Method]:
     if name in DRAFTERS:  # the scheduler's own settings, checked as it will check them
-        from pipeline.vllm_spec.step_planner import PlannerConfig
+        from pipeline.vllm_spec.planner_config import PlannerConfig
 
         own = {key: _value(v) for key, v in knobs.items() if key not in METHOD_KNOBS[name]}
         try:

@@ -34,9 +34,10 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from pipeline.vllm_spec.planner_config import PlannerConfig
 from pipeline.vllm_spec.priors import load_priors, mode_of
 from pipeline.vllm_spec.request_args import draft_cap
-from pipeline.vllm_spec.step_planner import PlannerConfig, StepPlanner
+from pipeline.vllm_spec.step_planner import StepPlanner
 
 PRUNE_EVERY = 64  # steps between forgetting finished requests' acceptance
 REPORT_EVERY = 4096  # steps between log lines of the planner's state (and one at shutdown)

@@ -24,78 +24,15 @@ for a chain already drafted: its j-th token is verified only if what it adds in 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.vllm_spec.env_settings import fields_from_env
-from pipeline.vllm_spec.online_step_cost import DEFAULT_COST, TERMS, OnlineStepCost
+from pipeline.vllm_spec.online_step_cost import OnlineStepCost
+from pipeline.vllm_spec.planner_config import PlannerConfig
 from pipeline.vllm_spec.priors import MODES, Priors
 from pipeline.vllm_spec.row_acceptance import RowAcceptance
 
-ENV = "SPECBOUND_SCHEDULER"
 REPLAN_EVERY = 8  # steps a choice's pricing of every k is reused (StepPlanner._worth)
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    explore: float = 0.0  # share of steps whose k is drawn at random
-    # Every this many steps, two steps draft nothing (0: never): they measure what drafting at
-    # all adds to a step (s0, s_row); off: at one request they cost about 2% of the tokens,
-    # and no gain at 8 was measured (docs/serving_vllm.md).
-    measure_off_every: int = 0
-    # After this many choices of 0 in a row where rows may draft, two steps draft the best
-    # k >= 1 (0: never): at k = 0 nothing measures acceptance or a drafted step's cost, so a
-    # model misled against drafting would stay there (docs/serving_vllm.md).
-    unlock_every: int = 32
-    forget: float = 0.995  # per-step forgetting of the step-cost fit
-    decay: float = 0.98  # per judged chain, of a request's acceptance counts
-    # Per step, the share by which acceptance evidence fades back to the prior (the offline
-    # rate of the mode; a request's: its mode's pooled rate): a replica that stopped drafting
-    # on bad luck measures no acceptance, and without this would never draft again.
-    revert: float = 0.01
-    prior_rate: float = 0.6  # acceptance before any evidence, where no offline model says
-    prior_weight: float = 4.0  # judged tokens that prior is worth
-    # Prior step cost (ms) where no calibration is found, in online_step_cost.TERMS' order:
-    # c0, c_pos, c_union, c_row, d0, d_row, s0, s_row.
-    prior_cost: tuple[float, ...] = DEFAULT_COST
-    prior_precision: float = 1.0  # per coefficient; a calibration's prior: 25
-    offline_priors: bool = True  # start from the pair's acceptance model and calibration
-    # policy: choose; fixed: always K (a like-for-like peer); off: always 0 (no draft forward
-    # with the plugin's drafter: speculation off on a speculating engine)
-    design: str = "policy"
-    trim: bool = True  # verify a drafted chain only as far as the marginal rule keeps it
-    # Fit the step cost's row term and drafting terms (c_row, s0, s_row); false holds them at
-    # 0 (the form without them, for comparison).
-    row_terms: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.explore <= 1.0:
-            raise ValueError(f"explore {self.explore}: between 0 and 1")
-        if not 0.5 <= self.forget <= 1.0 or not 0.5 <= self.decay <= 1.0:
-            raise ValueError("forget and decay: between 0.5 and 1")
-        if not 0.0 <= self.revert <= 0.5:
-            raise ValueError(f"revert {self.revert}: between 0 and 0.5")
-        if not 0.0 < self.prior_rate < 1.0 or self.prior_weight <= 0:
-            raise ValueError("prior_rate in (0, 1), prior_weight > 0")
-        if len(self.prior_cost) != len(TERMS) or self.prior_precision <= 0:
-            raise ValueError(
-                f"prior_cost: {len(TERMS)} numbers ({', '.join(TERMS)}); precision > 0"
-            )
-        if self.unlock_every < 0:
-            raise ValueError(f"unlock_every {self.unlock_every}: 0 (never) or more")
-        if self.measure_off_every < 0:
-            raise ValueError(f"measure_off_every {self.measure_off_every}: 0 (never) or more")
-        if self.design not in ("policy", "fixed", "off"):
-            raise ValueError(f"design {self.design!r}: policy, fixed or off")
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> PlannerConfig:
-        data = fields_from_env(cls, ENV, environ)
-        if "prior_cost" in data:
-            data["prior_cost"] = tuple(float(x) for x in data["prior_cost"])
-        return cls(**data)
 
 
 class StepPlanner:
