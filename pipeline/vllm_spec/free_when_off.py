@@ -1,5 +1,5 @@
-"""A step that drafts nothing costs what a step without speculation costs (installed by the
-plugin over vLLM 0.32's ``GPUModelRunner``, which the CPU runner inherits).
+"""A step that drafts nothing runs as a step without speculation (installed by the plugin
+over vLLM 0.32's ``GPUModelRunner``, which the CPU runner inherits).
 
 A speculating engine runs every step on its speculative path, also when nothing is drafted
 or verified: it builds the rejection sampler's metadata (index arrays copied to the device),
@@ -19,7 +19,7 @@ forward, copies the drafted tokens to the host and, after the step, asks the wor
 - **On vLLM's path at k = 0** (those steps, and any where vLLM's own batch-size table says
   0): the drafter is asked first and skips its forward and the preparation of its inputs;
   a step with no draft token anywhere is sampled by the plain sampler (the same tokens; a
-  request asking for logprobs keeps vLLM's path); nothing drafted is not copied to the host.
+  request asking for logprobs keeps vLLM's path); no drafted tokens are copied to the host.
 - After any step that drafted none the engine core no longer asks for drafted tokens.
 """
 

@@ -34,11 +34,12 @@ FIT_EVERY = 16
 DEFAULT_COST = (7.0, 0.1, 0.0, 0.0, 1.0, 0.05, 0.5, 0.05)  # ms, in TERMS' order
 
 
-def features(positions: float, k: float, rows: float, union: float = 0.0) -> np.ndarray:
-    drafting = 1.0 if k > 0 else 0.0
-    return np.array(
-        [1.0, positions, union, rows, k, k * rows, drafting, drafting * rows], dtype=float
-    )
+def features(positions, k, rows, union=0.0) -> np.ndarray:
+    """The terms' features in TERMS' order: one row for numbers, one row per step for arrays."""
+    p, k, b, u = (np.asarray(v, dtype=float) for v in (positions, k, rows, union))
+    drafting = (k > 0).astype(float)
+    columns = (np.ones_like(p), p, u, b, k, k * b, drafting, drafting * b)
+    return np.stack(np.broadcast_arrays(*columns), axis=-1)
 
 
 class OnlineStepCost:
@@ -85,11 +86,16 @@ class OnlineStepCost:
         # model errs (a report; nothing is priced from it)
         self.cells: dict[tuple[int, int], list[float]] = {}
 
-    def union(self, positions: float) -> float:
-        if self.union_model is None or positions <= 0:
-            return 0.0
-        experts, top_k, r = self.union_model
-        return experts - (experts - top_k) * r ** (positions - 1)
+    def union(self, positions):
+        """U(P), the expected experts per MoE layer P positions load (0 without a calibration);
+        a number for a number, an array for an array."""
+        p = np.asarray(positions, dtype=float)
+        if self.union_model is None:
+            out = np.zeros_like(p)
+        else:
+            experts, top_k, r = self.union_model
+            out = np.where(p > 0, experts - (experts - top_k) * r ** np.maximum(p - 1, 0), 0.0)
+        return float(out) if out.ndim == 0 else out
 
     def step_ms(self, positions: float, k: float, rows: float) -> float:
         # The sum, not each term: terms collinear over the steps seen (P = 1 + k at one row)
@@ -98,26 +104,7 @@ class OnlineStepCost:
 
     def steps_ms(self, positions: np.ndarray, ks: np.ndarray, rows: int) -> np.ndarray:
         """step_ms of each (positions, k) pair, at once."""
-        p, k = np.asarray(positions, dtype=float), np.asarray(ks, dtype=float)
-        union = np.zeros_like(p)
-        if self.union_model is not None:
-            experts, top_k, r = self.union_model
-            union = np.where(p > 0, experts - (experts - top_k) * r ** (p - 1), 0.0)
-        drafting = (k > 0).astype(float)
-        x = np.stack(
-            [
-                np.ones_like(p),
-                p,
-                union,
-                np.full_like(p, rows),
-                k,
-                k * rows,
-                drafting,
-                drafting * rows,
-            ],
-            axis=1,
-        )
-        return x @ self._solved()
+        return features(positions, ks, rows, self.union(positions)) @ self._solved()
 
     def position_ms(self, positions: float) -> float:
         """What one more verified position costs in a step of ``positions``: its own work and
@@ -149,9 +136,9 @@ class OnlineStepCost:
 
     def fit(self, positions: int, k: int, rows: int, ms: float) -> None:
         """One timed decode step: applied with the next ``FIT_EVERY`` - 1 (or when the
-        coefficients are read), an update of a few 8 x 8 arrays and a solve costing a sixth of
-        a millisecond a step in the engine's loop otherwise, where speculation held off had
-        nothing else to pay."""
+        coefficients are read); applied one by one, an update of a few 8 x 8 arrays and a
+        solve took about 0.1 ms a step in the engine's loop, where a step held at 0 has nothing
+        else to pay."""
         self._pending.append((positions, k, rows, ms))
         if len(self._pending) >= FIT_EVERY:
             self._apply()
@@ -162,8 +149,8 @@ class OnlineStepCost:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        x = np.array([features(p, k, b, self.union(p)) for p, k, b, _ in pending])
-        ms = np.array([m for *_, m in pending])
+        positions, ks, rows, ms = (np.array(column) for column in zip(*pending, strict=True))
+        x = features(positions, ks, rows, self.union(positions))
         # Robust to the odd slow step (a first forward at a new shape, the host stalling):
         # one step moves the fit by at most half its prediction plus a millisecond.
         predicted = x @ self._solved()
