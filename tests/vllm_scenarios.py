@@ -115,6 +115,7 @@ def main(out_path: str) -> None:
         "steps": scheduler.planner.steps,
         "unfitted": scheduler.planner.unfitted_steps,
         "catch_up": scheduler.catch_up_steps,
+        "wind_down": scheduler.wind_down_steps,
         "churn": scheduler.churn_steps,
         "chosen": scheduler.planner.chosen.tolist(),
     }

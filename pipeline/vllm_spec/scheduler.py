@@ -70,6 +70,7 @@ class CostAwareScheduler(Scheduler):
         # skipped their tokens, and the next drafting step's first pass catches them up.
         self._behind: set[str] = set()
         self.catch_up_steps = 0  # steps timed with a catch-up in them, not fitted (a report)
+        self.wind_down_steps = 0  # steps at 0 that verified drafts, not fitted (a report)
         # Steps whose window saw a request arrive or end, not fitted (a report): served, such a
         # step also pays the serving stack's work for that request on the same cores (7-row
         # K = 5 steps 51 ms where 8-row ones took 33), which no draft length causes.
@@ -111,9 +112,21 @@ class CostAwareScheduler(Scheduler):
             output.total_num_scheduled_tokens,
             output.num_spec_tokens_to_schedule,
             len(ids),
-            _decode_only(output) and not self._catches_up(ids, output),
+            _decode_only(output) and not self._switches(ids, output),
         )
         return output
+
+    def _switches(self, ids: list[str], output: Any) -> bool:
+        """Whether the step switches drafting on or off: such a step costs what neither of
+        its k's steady steps does, and fitted it would price that k at the switch's cost. On:
+        its draft pass also catches up what steps at 0 skipped. Off: a step at 0 that still
+        verifies the last drafts runs on vLLM's speculative path (16-row ones took 11-12.5 ms
+        where steps at 0 run as plain steps took 8.2-9.6), where every later step at 0 runs as
+        a plain step (pipeline.vllm_spec.free_when_off)."""
+        on = self._catches_up(ids, output)
+        off = output.num_spec_tokens_to_schedule == 0 and bool(output.scheduled_spec_decode_tokens)
+        self.wind_down_steps += int(off)
+        return on or off
 
     def _catches_up(self, ids: list[str], output: Any) -> bool:
         """Whether this step's draft pass also catches up tokens an earlier step at k = 0
@@ -173,8 +186,8 @@ class CostAwareScheduler(Scheduler):
     def _report(self, when: str) -> None:
         line = (
             f"cost-aware scheduler{when}: {self.planner.report()}; "
-            f"{self.catch_up_steps} steps caught the draft up and {self.churn_steps} saw a "
-            "request arrive or end, not fitted"
+            f"{self.catch_up_steps} steps caught the draft up, {self.wind_down_steps} at 0 "
+            f"verified drafts and {self.churn_steps} saw a request arrive or end, not fitted"
         )
         log.info(line)
         path = os.environ.get(REPORT_ENV)

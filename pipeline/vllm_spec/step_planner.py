@@ -9,7 +9,7 @@ is tested without vLLM).
 - **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + c_row B +
   k (d0 + d_row B) + [k > 0] (s0 + s_row B)`` ms (pipeline.vllm_spec.online_step_cost), P
   verified positions, U(P) the expected union of experts they load, B rows, k draft rounds;
-  fitted over the decode steps the engine times (a
+  fitted per batch-size band over the decode steps the engine times (a
   step that also prefills is not fitted; the scheduler times a step from its ``schedule()``
   to the next), from the calibration's costs as a prior it never forgets. With the plugin's
   drafter a step at k = 0 runs no draft forward, so idle steps measure the target's terms and
@@ -149,7 +149,8 @@ class StepPlanner:
 
     def keep(self, request_id: str, drafted: int, positions: int = 1) -> int:
         """How many of a row's ``drafted`` tokens to verify (the marginal rule), in a step of
-        ``positions`` other verified positions (what one more adds, experts included)."""
+        ``positions`` other verified positions (what one more adds, experts included), priced
+        at that many rows (the scheduler passes the batch's rows)."""
         if self.config.design == "off":
             return 0
         capped = min(drafted, self.cap(request_id))
@@ -159,7 +160,7 @@ class StepPlanner:
             return drafted
         a, kept = self.rate(request_id), 0
         while kept < drafted:
-            extra = self.cost.position_ms(positions + kept)
+            extra = self.cost.position_ms(positions + kept, positions)
             if a ** (kept + 1) < max(extra, 0.0) * self.tokens_per_ms:
                 break
             kept += 1
