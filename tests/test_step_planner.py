@@ -181,6 +181,26 @@ def test_marginal_rule_verifies_a_chain_only_as_far_as_it_pays() -> None:
     assert StepPlanner(4, PlannerConfig(trim=False)).keep("r", 4) == 4
 
 
+def test_the_choice_counts_only_the_drafts_the_marginal_rule_will_verify() -> None:
+    """A k beyond what ``keep`` verifies pays draft rounds for tokens dropped unverified: the
+    choice is the brute-force best with each row's tokens cut where the marginal rule cuts."""
+    planners = [StepPlanner(4, PlannerConfig(prior_rate=0.6, prior_weight=1e6)) for _ in "ab"]
+    for planner in planners:
+        planner.theta = np.array([7.0, 0.1, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0])
+    rows = ["a", "b"]
+    assert planners[0].choose(rows) == 4  # no output measured yet: every draft is verified
+    planner = planners[1]
+    planner.tokens_per_ms = 2.0  # 0.6, 0.36, 0.216 >= 0.2 > 0.13: three of four kept
+    assert [planner.keep(r, 4, 2) for r in rows] == [3, 3]
+    rates = np.array([0.6, 0.6])
+
+    def worth(k: int) -> float:
+        verified = min(k, 3)
+        return planner.expected_tokens(rates, verified) / planner.step_ms(2 * (1 + verified), k, 2)
+
+    assert planner.choose(rows) == max(range(5), key=worth) == 3
+
+
 def test_a_verified_position_is_priced_with_the_experts_it_adds() -> None:
     """With the union term, one more position costs c_pos plus c_union times the experts it
     brings that the step's other positions do not: more in a small step than in a big one."""
@@ -271,16 +291,27 @@ def test_methods_have_one_name_each_and_ours_is_the_scheduler() -> None:
             parse_methods(f"{retired}:k=2")
 
 
-def test_acceptance_fades_back_to_the_prior_while_nothing_is_drafted() -> None:
-    """A replica that stopped drafting after bad luck measures no acceptance; its estimates
-    return to the offline prior step by step, so it drafts again and measures."""
-    planner = StepPlanner(4, PlannerConfig(revert=0.02), Priors(rates={"greedy": 0.8}))
-    for _ in range(30):
-        planner.observe_chain("r", 4, 0)
-    assert planner.rate("r") < 0.1
+def test_acceptance_fades_back_to_the_replicas_longer_memory_while_nothing_is_drafted() -> None:
+    """A replica that stopped drafting after a bad streak measures no acceptance; its
+    estimates return step by step to the mode's longer memory: the offline rate before any
+    chain, then the replica's last few hundred chains (not the streak, and not an offline rate
+    the replica measures otherwise: ShareGPT's 0.728 offline, 0.55-0.63 online)."""
+    fresh = StepPlanner(4, PlannerConfig(revert=0.02), Priors(rates={"greedy": 0.8}))
     for _ in range(500):  # idle steps: timed, no chain judged
+        fresh.observe_step(8, 0, 1, 7.0)
+    assert fresh.rate("new") == pytest.approx(0.8)
+    planner = StepPlanner(4, PlannerConfig(revert=0.02), Priors(rates={"greedy": 0.8}))
+    for i in range(300):  # 2 of 4 kept: a per-token rate of 2 / 3
+        planner.observe_chain(f"q{i % 8}", 4, 2)
+    for _ in range(10):
+        planner.observe_chain("r", 4, 0)
+    assert planner.rate("r") < 0.4
+    longer = planner.acceptance.long_rate("greedy")
+    assert 0.6 < longer < 2 / 3
+    for _ in range(500):
         planner.observe_step(8, 0, 1, 7.0)
-    assert planner.rate("r") == pytest.approx(0.8, abs=0.02)
+    assert planner.rate("r") == pytest.approx(longer, abs=0.01)
+    assert planner.rate("new") == pytest.approx(longer, abs=0.01)
     assert StepPlanner(4, PlannerConfig(revert=0.0)).config.revert == 0.0
     with pytest.raises(ValueError, match="revert"):
         PlannerConfig(revert=0.9)
@@ -474,19 +505,19 @@ def _decode(planner: StepPlanner, steps: int, noisy: int, rows: int = 8) -> np.n
 
 
 def test_a_planner_misled_by_a_slow_start_drafts_again_sooner_when_it_unlocks() -> None:
-    """Drafted steps that were slow at the start (5x, the first 200 steps) price drafting
+    """Drafted steps that were slow at the start (5x, the first 250 steps) price drafting
     above what it pays, and steps at 0 measure nothing that corrects it: without unlock_every
     the planner stops drafting soon after the noise and sits at 0 to the end; with it, the
     pairs of drafted steps measure drafting at its true cost and the planner is drafting by
-    choice again in most of the last 1000 steps. (Since the fit applies steps 16 at a time and
-    a pricing serves up to 8 steps, 100 noisy steps no longer mislead it at all, and the
-    recovery after 200 is slower than with a fit and a pricing per step: 0.55 of the last 1000
-    steps drafted, where those drafted in all of them.)"""
+    choice again in most of the last 500 of 2000 steps (without, forgetting alone brings it
+    back after about 2,700). (Since the fit applies steps 16 at a time and a pricing serves up to 8
+    steps, 100 noisy steps no longer mislead it at all; since the choice counts only the
+    drafts the marginal rule keeps, 200 do not either.)"""
     for every in (0, 32):
         planner = StepPlanner(4, PlannerConfig(unlock_every=every), Priors(rates={"greedy": 0.6}))
-        chosen = _decode(planner, 2000, noisy=200)
-        after, late = (float(np.mean(chosen[a:b] > 0)) for a, b in ((200, 1200), (1000, 2000)))
+        chosen = _decode(planner, 2000, noisy=250)
+        after, late = (float(np.mean(chosen[a:b] > 0)) for a, b in ((250, 1250), (1500, 2000)))
         if every:
-            assert late > 0.5
+            assert late > 0.8
         else:
             assert after < 0.1 and late == 0.0

@@ -23,6 +23,11 @@ class PlannerConfig:
     # k >= 1 (0: never): at k = 0 nothing measures acceptance or a drafted step's cost, so a
     # model misled against drafting would stay there (docs/serving_vllm.md).
     unlock_every: int = 32
+    # Switch drafting on or off only once the modelled saving has paid for a switch there and
+    # back, as measured on this replica (pipeline.vllm_spec.switch_cost), and space the unlocks
+    # by it; off: switch as soon as the best k crosses 0. Off by default: in two runs at 8 and
+    # 16 requests it bought nothing measurable (docs/serving_vllm.md).
+    price_switches: bool = False
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
     # Per step, the share by which acceptance evidence fades back to the prior (the offline

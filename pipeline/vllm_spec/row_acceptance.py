@@ -8,9 +8,18 @@ sampled: a row is priced at its own temperature). A new request starts from its 
 rate, which starts from the offline acceptance model's mean for that mode
 (pipeline.vllm_spec.priors). The estimates follow recent chains (``decay`` per chain); the
 run's undecayed totals are kept beside them, to compare with vLLM's own counters.
+
+While nothing is drafted nothing is judged, and every estimate fades (``revert`` per step)
+toward its mode's longer memory: the offline rate at first, then the replica's own chains over
+the last few hundred (LONG_DECAY). It used to fade to the offline rate itself, which for
+ShareGPT (0.728) sits above what the replica measures online (0.55-0.63): every stretch at 0
+pulled the estimates up until drafting looked worth it again, and the replica drafted at 16
+requests where drafting loses (docs/serving_vllm.md).
 """
 
 from __future__ import annotations
+
+LONG_DECAY = 0.995  # per judged chain, of a mode's longer memory (the estimates' fade target)
 
 
 class RowAcceptance:
@@ -31,6 +40,7 @@ class RowAcceptance:
         self.requests: dict[str, list[float]] = {}  # id -> [accepted, trials]
         self.modes: dict[str, str] = {}  # id -> greedy | sampled
         self.pooled = {m: [r * w, w] for m, r in self.mode_rates.items()}
+        self.long = {m: [r * w, w] for m, r in self.mode_rates.items()}
         self.judged = {m: [0, 0] for m in self.mode_rates}  # the run's accepted, drafted
 
     def set_mode(self, request_id: str, mode: str) -> None:
@@ -62,14 +72,24 @@ class RowAcceptance:
         for counts in (self.requests[request_id], pooled):
             counts[0] = self.decay * counts[0] + accepted
             counts[1] = self.decay * counts[1] + trials
+        long = self.long[mode]
+        long[0] = LONG_DECAY * long[0] + accepted
+        long[1] = LONG_DECAY * long[1] + trials
+
+    def long_rate(self, mode: str) -> float:
+        """The mode's rate over the replica's last few hundred chains (the offline rate
+        before any): what the estimates fade to while nothing is judged."""
+        acc, trials = self.long[mode]
+        return acc / trials if trials > 0 else self.mode_rates[mode]
 
     def fade_to_prior(self) -> None:
-        """One step's ``revert`` of every estimate toward its prior."""
+        """One step's ``revert`` of every estimate toward its prior: a request's toward its
+        mode's pooled rate, the pooled rate toward the mode's longer memory."""
         r, w = self.revert, self.prior_weight
         if r <= 0:
             return
         for mode, counts in self.pooled.items():
-            counts[0] += r * (self.mode_rates[mode] * w - counts[0])
+            counts[0] += r * (self.long_rate(mode) * w - counts[0])
             counts[1] += r * (w - counts[1])
         for request_id, counts in self.requests.items():
             pooled = self.pooled[self.mode(request_id)]

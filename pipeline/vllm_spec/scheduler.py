@@ -76,9 +76,9 @@ class CostAwareScheduler(Scheduler):
         # K = 5 steps 51 ms where 8-row ones took 33), which no draft length causes.
         self.churn_steps = 0
         self._arrived = False
-        # started, P, k, B, whether the step is fitted (every row only decodes, no catch-up)
-        self._step: tuple[float, int, int, int, bool] | None = None
-        self._done: tuple[float, int, int, int, bool, int] | None = None  # and tokens made
+        # started, P, k, B, whether every row only decodes, the switch it makes (or None)
+        self._step: tuple[float, int, int, int, bool, str | None] | None = None
+        self._done: tuple[float, int, int, int, bool, str | None, int] | None = None  # + made
 
     def schedule(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
@@ -112,21 +112,24 @@ class CostAwareScheduler(Scheduler):
             output.total_num_scheduled_tokens,
             output.num_spec_tokens_to_schedule,
             len(ids),
-            _decode_only(output) and not self._switches(ids, output),
+            _decode_only(output),
+            self._switch(ids, output),
         )
         return output
 
-    def _switches(self, ids: list[str], output: Any) -> bool:
-        """Whether the step switches drafting on or off: such a step costs what neither of
-        its k's steady steps does, and fitted it would price that k at the switch's cost. On:
-        its draft pass also catches up what steps at 0 skipped. Off: a step at 0 that still
+    def _switch(self, ids: list[str], output: Any) -> str | None:
+        """Whether the step switches drafting "on" or "off" (else None): such a step costs
+        what neither of its k's steady steps does; it is not fitted (it would price that k at
+        the switch's cost) but measured as a switch (pipeline.vllm_spec.switch_cost). On: its
+        draft pass also catches up what steps at 0 skipped. Off: a step at 0 that still
         verifies the last drafts runs on vLLM's speculative path (16-row ones took 11-12.5 ms
         where steps at 0 run as plain steps took 8.2-9.6), where every later step at 0 runs as
         a plain step (pipeline.vllm_spec.free_when_off)."""
-        on = self._catches_up(ids, output)
+        if self._catches_up(ids, output):
+            return "on"
         off = output.num_spec_tokens_to_schedule == 0 and bool(output.scheduled_spec_decode_tokens)
         self.wind_down_steps += int(off)
-        return on or off
+        return "off" if off else None
 
     def _catches_up(self, ids: list[str], output: Any) -> bool:
         """Whether this step's draft pass also catches up tokens an earlier step at k = 0
@@ -171,13 +174,21 @@ class CostAwareScheduler(Scheduler):
         return outputs
 
     def _observe(self, now: float) -> None:
-        started, positions, k, rows, decode, made = self._done
+        started, positions, k, rows, decode, switch, made = self._done
         self._done = None
         # finished_req_ids: the requests freed since the last schedule (ended or aborted).
         churn = decode and (self._arrived or bool(self.finished_req_ids))
         self.churn_steps += int(churn)
-        fitted = decode and not churn
-        self.planner.observe_step(positions, k, rows, (now - started) * 1e3, made, fitted)
+        clean = decode and not churn
+        self.planner.observe_step(
+            positions,
+            k,
+            rows,
+            (now - started) * 1e3,
+            made,
+            clean and switch is None,
+            switch if clean else None,
+        )
 
     def shutdown(self) -> None:
         self._report(" at shutdown")

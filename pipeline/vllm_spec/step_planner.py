@@ -16,7 +16,9 @@ is tested without vLLM).
   no step needs drafting at random (``explore``, default 0).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
-steady state where every step drafts k for every row. ``keep(row, n)`` is the marginal rule
+steady state where every step drafts k for every row, each row counted for the drafts
+``keep`` will verify of its chain; it crosses 0 (drafting on or off) only once a switch there
+and back has paid (pipeline.vllm_spec.switch_cost). ``keep(row, n)`` is the marginal rule
 for a chain already drafted: its j-th token is verified only if what it adds in expectation,
 ``a^j`` tokens, is worth its verification at the replica's recent tokens per ms.
 """
@@ -31,6 +33,7 @@ from pipeline.vllm_spec.online_step_cost import OnlineStepCost
 from pipeline.vllm_spec.planner_config import PlannerConfig
 from pipeline.vllm_spec.priors import MODES, Priors
 from pipeline.vllm_spec.row_acceptance import RowAcceptance
+from pipeline.vllm_spec.switch_cost import SwitchCost, unlock_after
 
 REPLAN_EVERY = 8  # steps a choice's pricing of every k is reused (StepPlanner._worth)
 
@@ -66,7 +69,11 @@ class StepPlanner:
         self._at_zero = self._unlock_left = 0  # choices of 0 in a row; unlock steps left
         self._worth_key: tuple | None = None  # what _worth's last pricing was made for
         self._worth_age = 0
-        self._worth_cached = np.zeros(0)
+        self._worth_cached = self._worth_ms = np.zeros(0)
+        self.switch_cost = SwitchCost()
+        self._prices_key: tuple | None = None  # what _position_prices last priced
+        self._prices: list[float] = []
+        self._policy_k = -1  # the last k chosen by the model (not an unlock's)
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
 
@@ -128,6 +135,7 @@ class StepPlanner:
         ms: float,
         tokens: int | None = None,
         decode: bool = True,
+        switch: str | None = None,
     ) -> None:
         """One timed engine step (pipeline.vllm_spec.online_step_cost); ``tokens``: what
         the step produced, for the replica's recent tokens per ms. A step that also prefills,
@@ -135,7 +143,9 @@ class StepPlanner:
         the model prices decode steps (a catch-up's cost is its backlog's, an arrival's the
         serving stack's, neither the draft length's), whose positions are
         verified ones (at T > 0 each costs the rejection test's sampling over the vocabulary);
-        a prompt's hundred positions priced the same would pull c_pos to a prefill's cost."""
+        a prompt's hundred positions priced the same would pull c_pos to a prefill's cost.
+        ``switch`` ("on" or "off"): an otherwise decode-only step that switched drafting,
+        measured by what it cost above a steady step's price (pipeline.vllm_spec.switch_cost)."""
         if not math.isfinite(ms) or ms <= 0:
             return
         if tokens is not None:
@@ -146,6 +156,9 @@ class StepPlanner:
             self.cost.fit(positions, k, rows, ms)
         else:
             self.unfitted_steps += 1
+        if switch is not None:
+            steady = self.cost.step_ms(positions, k, rows)
+            self.switch_cost.observe(switch == "on", rows, ms, steady)
 
     def keep(self, request_id: str, drafted: int, positions: int = 1) -> int:
         """How many of a row's ``drafted`` tokens to verify (the marginal rule), in a step of
@@ -158,14 +171,25 @@ class StepPlanner:
         drafted = capped
         if not self.config.trim or self.config.design == "fixed" or self.tokens_per_ms <= 0:
             return drafted
-        a, kept = self.rate(request_id), 0
+        a, kept, extras = self.rate(request_id), 0, self._position_prices(positions)
         while kept < drafted:
-            extra = self.cost.position_ms(positions + kept, positions)
-            if a ** (kept + 1) < max(extra, 0.0) * self.tokens_per_ms:
+            if a ** (kept + 1) < extras[kept] * self.tokens_per_ms:
                 break
             kept += 1
         self.trimmed += drafted - kept
         return kept
+
+    def _position_prices(self, positions: int) -> list[float]:
+        """What the j-th extra verified position costs in a step of ``positions`` (rows),
+        j = 0..K-1: the same for every row of a step, so priced once per step (per row it was
+        0.6 ms of a 16-row step)."""
+        key = (positions, self.cost.version)
+        if key != self._prices_key:
+            self._prices_key = key
+            self._prices = [
+                max(self.cost.position_ms(positions + j, positions), 0.0) for j in range(self.max_k)
+            ]
+        return self._prices
 
     def report(self) -> str:
         """One line of the planner's state: what it chose, believes and measured."""
@@ -178,8 +202,8 @@ class StepPlanner:
             f"{self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
             f"left unverified; {self.held_off} row-steps held off by their request; "
             f"{self.measured_off} steps held at 0 to measure drafting; {self.unlocked} "
-            f"drafted after {self.config.unlock_every} at 0; "
-            f"{self.cost.report()}"
+            f"drafted after {self.config.unlock_every} or more at 0; "
+            f"{self.switch_cost.report()}; {self.cost.report()}"
         )
 
     # -- the choice ---------------------------------------------------------------------
@@ -207,13 +231,32 @@ class StepPlanner:
             return self._worth_cached
         rates = np.array([self.rate(r) for r in request_ids])
         rows = len(request_ids)
-        # Every k at once: each row verifies min(k, its cap) drafts.
+        # Every k at once: each row verifies min(k, its cap, what the marginal rule will
+        # keep of its chain) drafts; the step still pays k draft rounds.
         ks = np.arange(top + 1)
-        verified = np.minimum(ks[:, None], caps[None, :])
+        bound = np.minimum(caps, self._kept(rates, rows))
+        verified = np.minimum(ks[:, None], bound[None, :])
         tokens = np.sum((1.0 - rates ** (verified + 1)) / (1.0 - rates), axis=1)
         ms = np.maximum(self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows), 1e-3)
         self._worth_cached, self._worth_key, self._worth_age = tokens / ms, key, 1
+        self._worth_ms = ms
         return self._worth_cached
+
+    def _kept(self, rates: np.ndarray, rows: int) -> np.ndarray:
+        """How many drafted tokens of each row's chain ``keep`` would verify (its leading
+        j with a^j worth the j-th position): a k beyond it pays draft rounds for tokens that
+        are dropped unverified (31,038 in a run at 8 and 16 requests where the choice counted
+        them, 21,760 in a like run since)."""
+        if not self.config.trim or self.tokens_per_ms <= 0:
+            return np.full(len(rates), self.max_k)
+        worth = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]
+        prices = np.array(self._position_prices(rows)) * self.tokens_per_ms
+        return np.cumprod(worth >= prices[None, :], axis=1).sum(axis=1)
+
+    def _side(self, worth: np.ndarray, best_k: int, rows: int) -> int:
+        if not self.config.price_switches or self._policy_k < 0:
+            return best_k
+        return self.switch_cost.side(self._policy_k, best_k, worth, self._worth_ms, rows)
 
     def _choose(self, request_ids: list[str]) -> int:
         if self.max_k == 0 or not request_ids or self.config.design == "off":
@@ -239,13 +282,15 @@ class StepPlanner:
         if self.config.explore > 0 and self.rng.random() < self.config.explore:
             return int(self.rng.integers(0, top + 1))
         worth = self._worth(request_ids, caps, top)
-        best_k = int(np.argmax(worth))
+        best_k = self._policy_k = self._side(worth, int(np.argmax(worth)), len(request_ids))
         if best_k > 0:
             self._at_zero = self._unlock_left = 0
             return best_k
         if not self._unlock_left:
             self._at_zero += 1
-            if not self.config.unlock_every or self._at_zero < self.config.unlock_every:
+            every = self.config.unlock_every
+            pair = self.switch_cost.pair_ms(len(request_ids)) if self.config.price_switches else 0
+            if not every or self._at_zero < unlock_after(every, pair, self._worth_ms[0]):
                 return 0
             # Two steps: the first's draft pass also catches up the steps at 0 (the scheduler
             # does not fit its time), the second is what a drafted step costs.
