@@ -17,10 +17,11 @@ is tested without vLLM).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
 steady state where every step drafts k for every row, each row counted for the drafts
-``keep`` will verify of its chain; it crosses 0 (drafting on or off) only once a switch there
-and back has paid (pipeline.vllm_spec.switch_cost). ``keep(row, n)`` is the marginal rule
-for a chain already drafted: its j-th token is verified only if what it adds in expectation,
-``a^j`` tokens, is worth its verification at the replica's recent tokens per ms.
+``keep`` will verify of its chain; with ``price_switches`` it crosses 0 (drafting on or off)
+only once a switch there and back has paid (pipeline.vllm_spec.switch_cost). ``keep(row, n)``
+is the marginal rule for a chain already drafted: its j-th token is verified only if what it
+adds in expectation, ``a^j`` tokens, is worth its verification at the replica's recent tokens
+per ms.
 """
 
 from __future__ import annotations
@@ -243,10 +244,9 @@ class StepPlanner:
         return self._worth_cached
 
     def _kept(self, rates: np.ndarray, rows: int) -> np.ndarray:
-        """How many drafted tokens of each row's chain ``keep`` would verify (its leading
-        j with a^j worth the j-th position): a k beyond it pays draft rounds for tokens that
-        are dropped unverified (31,038 in a run at 8 and 16 requests where the choice counted
-        them, 21,760 in a like run since)."""
+        """How many drafted tokens of each row's chain ``keep`` would verify: a k beyond it
+        pays draft rounds for tokens dropped unverified (31,038 in a run at 8 and 16 requests
+        where the choice counted them, 21,760 in a like run since)."""
         if not self.config.trim or self.tokens_per_ms <= 0:
             return np.full(len(rates), self.max_k)
         worth = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]

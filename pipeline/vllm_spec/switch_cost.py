@@ -6,9 +6,9 @@ choice are not steady states one step apart. Turning drafting on, the first draf
 draft pass also catches up every token the steps at 0 skipped; turning it off, the first step
 at 0 still verifies the last drafts on vLLM's speculative path (at 16 rows 11-12.5 ms where a
 plain step took 8.2-9.6). The step-cost model prices steady steps only (the scheduler does not
-fit these), so a planner whose best k hovers near the line between 0 and drafting switched at
-1 step in 9-12 and lost to both of its sides at 8 and 16 requests
-(docs/serving_vllm.md).
+fit these): a planner whose best k hovers near the line between 0 and drafting pays them
+unpriced (at 16 ShareGPT requests its k changed at 1 step in 9-12, and it lost to both of its
+sides).
 
 Measured here: per batch-size band, a moving average of each switch step's time above the
 model's price of a steady step of the same shape, on and off apart, from 0 (switching starts
@@ -17,7 +17,8 @@ more than its steady price, and as the average's first value it held an engine d
 16 requests where drafting lost. Used as a ski-rental rule:
 while the modelled best k is on the other side of 0 from the current one, the milliseconds it
 would save per step add up, and the planner switches once they reach a pair of switches
-(there and back); an agreement of the two resets the sum.
+(there and back); an agreement of the two resets the sum. Opt-in (``price_switches``): in
+vLLM at 8 and 16 requests it bought nothing measurable (docs/serving_vllm.md).
 """
 
 from __future__ import annotations
