@@ -421,6 +421,24 @@ def test_the_report_gives_the_runs_acceptance_beside_the_recent_estimate() -> No
     assert recent < 0.1 and f"greedy {recent:.3f}" in report  # the last chains: hard
 
 
+def test_the_report_sets_each_chain_length_against_what_the_estimates_expected() -> None:
+    """Per drafted length, the accepted tokens of the chains against a geometric chain's at
+    the row's estimate when it was judged: equal where the estimate is right, below where
+    it is optimistic (here pinned at 0.6 by a heavy prior, the truth 0.4)."""
+    rng = np.random.default_rng(0)
+    for truth in (0.6, 0.4):
+        config = PlannerConfig(prior_rate=0.6, prior_weight=1e9, decay=1.0, revert=0.0)
+        planner = StepPlanner(4, config)
+        for _ in range(4000):
+            accepted = int(np.argmin(np.append(rng.random(3) < truth, False)))
+            planner.observe_chain("r", 3, accepted)
+        measured, modelled, n = planner.acceptance.by_length[3]
+        want = truth * (1 - truth**3) / (1 - truth)
+        assert n == 4000 and measured / n == pytest.approx(want, abs=0.04)
+        assert modelled / n == pytest.approx(0.6 * (1 - 0.6**3) / 0.4, rel=1e-4)
+        assert f"by its length 3: {measured / n:.2f}/{modelled / n:.2f} (4000)" in planner.report()
+
+
 def test_two_steps_in_every_measure_off_every_draft_nothing_and_measure_drafting() -> None:
     """Steps that all draft cannot tell what drafting at all adds to a step (s0 + s_row B)
     from the intercept and the row term; two steps at k = 0 now and then (free with the

@@ -42,6 +42,9 @@ class RowAcceptance:
         self.pooled = {m: [r * w, w] for m, r in self.mode_rates.items()}
         self.long = {m: [r * w, w] for m, r in self.mode_rates.items()}
         self.judged = {m: [0, 0] for m in self.mode_rates}  # the run's accepted, drafted
+        # drafted length -> [accepted, accepted as the row's estimate had it, chains]: whether
+        # the estimates the choice priced with held for the chains they chose (a report)
+        self.by_length: dict[int, list[float]] = {}
 
     def set_mode(self, request_id: str, mode: str) -> None:
         self.modes[request_id] = mode
@@ -62,6 +65,11 @@ class RowAcceptance:
             return
         accepted = min(max(accepted, 0), drafted)
         trials = accepted + (1 if accepted < drafted else 0)
+        a = self.rate(request_id)
+        seen = self.by_length.setdefault(drafted, [0.0, 0.0, 0])
+        seen[0] += accepted
+        seen[1] += a * (1.0 - a**drafted) / (1.0 - a)  # a geometric chain's expectation
+        seen[2] += 1
         mode = self.mode(request_id)
         self.judged[mode][0] += accepted
         self.judged[mode][1] += drafted
@@ -105,7 +113,11 @@ class RowAcceptance:
     def report(self) -> str:
         recent = ", ".join(f"{m} {a / t:.3f}" for m, (a, t) in self.pooled.items() if t > 0)
         run = ", ".join(f"{m} {a / d:.3f}" for m, (a, d) in self.judged.items() if d > 0)
+        lengths = ", ".join(
+            f"{d}: {acc / n:.2f}/{model / n:.2f} ({n})"
+            for d, (acc, model, n) in sorted(self.by_length.items())
+        )
         return (
             f"pooled acceptance (recent chains) {recent}; accepted / drafted over the run "
-            f"{run or '-'}"
+            f"{run or '-'}; accepted per chain measured/modelled by its length {lengths or '-'}"
         )
