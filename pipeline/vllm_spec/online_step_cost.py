@@ -52,8 +52,8 @@ def features(positions, k, rows, union=0.0) -> np.ndarray:
 
 def band(rows) -> np.ndarray | int:
     """The batch-size band of ``rows``: 0 for 1 row, 1 for 2-3, 2 for 4-7, ... (at most
-    BANDS - 1); a number for a number (by its bits: the marginal rule asks it per drafted
-    token), an array for an array."""
+    BANDS - 1); a number for a number (by its bits: it is asked at every step), an array
+    for an array."""
     if np.ndim(rows) == 0:
         return min(max(int(rows), 1).bit_length() - 1, BANDS - 1)
     b = np.minimum(np.floor(np.log2(np.maximum(np.asarray(rows, dtype=float), 1.0))), BANDS - 1)
