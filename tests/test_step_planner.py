@@ -114,10 +114,10 @@ def test_acceptance_follows_each_request_from_the_pooled_rate() -> None:
             planner.observe_chain(rid, k, accepted)
     assert planner.rate("easy") == pytest.approx(0.9, abs=0.02)
     assert planner.rate("hard") == pytest.approx(0.2, abs=0.02)
-    pooled = planner.pooled["greedy"][0] / planner.pooled["greedy"][1]
+    pooled = planner.acceptance.pooled["greedy"][0] / planner.acceptance.pooled["greedy"][1]
     assert planner.rate("new") == pytest.approx(pooled)
     planner.forget_requests({"easy"})
-    assert set(planner.requests) == {"easy"}
+    assert set(planner.acceptance.requests) == {"easy"}
 
 
 def test_choice_is_the_best_k_of_the_model() -> None:
@@ -170,6 +170,11 @@ def test_settings_are_refused_with_their_reason(text, message) -> None:
     assert PlannerConfig.from_env({}) == PlannerConfig()
 
 
+def geometric(rates: np.ndarray, verified) -> float:
+    """Tokens of rows verifying ``verified`` drafts at per-token rates (no depth evidence)."""
+    return float(np.sum((1.0 - rates ** (np.asarray(verified) + 1)) / (1.0 - rates)))
+
+
 def test_marginal_rule_verifies_a_chain_only_as_far_as_it_pays() -> None:
     planner = StepPlanner(4, PlannerConfig(prior_rate=0.6, prior_weight=1e6))
     planner.theta = np.array([7.0, 0.1, 0.0, 0.0, 1.0, 0.05, 0.0, 0.0])
@@ -196,7 +201,7 @@ def test_the_choice_counts_only_the_drafts_the_marginal_rule_will_verify() -> No
 
     def worth(k: int) -> float:
         verified = min(k, 3)
-        return planner.expected_tokens(rates, verified) / planner.step_ms(2 * (1 + verified), k, 2)
+        return geometric(rates, verified) / planner.step_ms(2 * (1 + verified), k, 2)
 
     assert planner.choose(rows) == max(range(5), key=worth) == 3
 
@@ -361,7 +366,10 @@ def test_a_request_caps_its_row_and_a_batch_of_capped_rows_drafts_nothing() -> N
 
     def worth(k: int) -> float:
         positions = float(np.sum(1 + np.minimum(k, caps)))
-        return planner.expected_tokens(rates, k, caps) / planner.step_ms(positions, k, 2)
+        verified = np.minimum(k, caps)
+        tokens = geometric(rates, verified)
+        assert tokens == pytest.approx(planner.expected_tokens(["a", "c"], k, caps))
+        return tokens / planner.step_ms(positions, k, 2)
 
     assert planner.choose(["a", "c"]) == max(range(5), key=worth)
 
@@ -417,17 +425,20 @@ def test_the_report_gives_the_runs_acceptance_beside_the_recent_estimate() -> No
         planner.observe_chain("hard", 4, 0)
     report = planner.report()
     assert "accepted / drafted over the run greedy 0.500" in report  # 800 of 1600
-    recent = planner.pooled["greedy"][0] / planner.pooled["greedy"][1]
+    recent = planner.acceptance.pooled["greedy"][0] / planner.acceptance.pooled["greedy"][1]
     assert recent < 0.1 and f"greedy {recent:.3f}" in report  # the last chains: hard
 
 
 def test_the_report_sets_each_chain_length_against_what_the_estimates_expected() -> None:
-    """Per drafted length, the accepted tokens of the chains against a geometric chain's at
-    the row's estimate when it was judged: equal where the estimate is right, below where
-    it is optimistic (here pinned at 0.6 by a heavy prior, the truth 0.4)."""
+    """Per drafted length, the accepted tokens of the chains against what the choice priced
+    them at when they were judged (here a geometric chain, depth factors off, at the row's
+    estimate): equal where the estimate is right, below where it is optimistic (here pinned
+    at 0.6 by a heavy prior, the truth 0.4)."""
     rng = np.random.default_rng(0)
     for truth in (0.6, 0.4):
-        config = PlannerConfig(prior_rate=0.6, prior_weight=1e9, decay=1.0, revert=0.0)
+        config = PlannerConfig(
+            prior_rate=0.6, prior_weight=1e9, decay=1.0, revert=0.0, depth_factors=False
+        )
         planner = StepPlanner(4, config)
         for _ in range(4000):
             accepted = int(np.argmin(np.append(rng.random(3) < truth, False)))
@@ -437,6 +448,43 @@ def test_the_report_sets_each_chain_length_against_what_the_estimates_expected()
         assert n == 4000 and measured / n == pytest.approx(want, abs=0.04)
         assert modelled / n == pytest.approx(0.6 * (1 - 0.6**3) / 0.4, rel=1e-4)
         assert f"by its length 3: {measured / n:.2f}/{modelled / n:.2f} (4000)" in planner.report()
+
+
+def test_depth_factors_price_each_draft_at_what_its_depth_accepts() -> None:
+    """Deep drafts are accepted less than the first (at 16 requests chains of 4 got 2.62
+    tokens where a geometric chain at the rows' rates expected 3.17). Here a draft is accepted
+    at 0.8, 0.6, 0.4, 0.2 by depth, the row's rate pinned at 0.6: the factors learn each
+    depth's ratio, the tokens per chain priced meet those measured, and the marginal rule and
+    the choice cut where the depths say (2 drafts), not where a geometric chain would (3)."""
+    truth = np.array([0.8, 0.6, 0.4, 0.2])
+    rng = np.random.default_rng(1)
+    planners = []
+    for on in (True, False):
+        config = PlannerConfig(
+            prior_rate=0.6, prior_weight=1e9, decay=1.0, revert=0.0, depth_factors=on
+        )
+        planners.append(StepPlanner(4, config))
+        planners[-1].theta = np.array([7.0, 0.1, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0])
+        planners[-1].tokens_per_ms = 2.0  # a verified position costs 0.2 tokens
+    for _ in range(5000):
+        accepted = int(np.argmin(np.append(rng.random(4) < truth, False)))
+        for planner in planners:
+            planner.observe_chain("r", 4, accepted)
+    on, off = planners
+    factors = np.array(on.acceptance.factors("greedy", 4))
+    assert factors == pytest.approx(truth / 0.6, abs=0.15)
+    assert off.acceptance.factors("greedy", 4) == [1.0] * 4
+    (measured, priced, n), (_, geometric_priced, _) = (p.acceptance.by_length[4] for p in planners)
+    assert priced / measured == pytest.approx(1.0, abs=0.03)
+    assert geometric_priced / measured < 0.9  # 1.31 of 1.51 a chain
+    assert on.keep("r", 4) == 2 and off.keep("r", 4) == 3
+    reach = np.cumprod(np.minimum(0.6 * factors, 0.995))
+
+    def worth(k: int) -> float:  # the brute force: tokens of the drafts kept, k rounds paid
+        verified = min(k, 2)
+        return (1 + reach[:verified].sum()) / on.step_ms(1 + verified, k, 1)
+
+    assert on.choose(["r"]) == max(range(5), key=worth)
 
 
 def test_two_steps_in_every_measure_off_every_draft_nothing_and_measure_drafting() -> None:

@@ -21,13 +21,19 @@ class PlannerConfig:
     measure_off_every: int = 0
     # After this many choices of 0 in a row where rows may draft, two steps draft the best
     # k >= 1 (0: never): at k = 0 nothing measures acceptance or a drafted step's cost, so a
-    # model misled against drafting would stay there (docs/serving_vllm.md).
+    # model misled against drafting would stay there (docs/serving_vllm.md). More where the
+    # switches they make cost more than 2% of the time at 0 (pipeline.vllm_spec.switch_cost).
     unlock_every: int = 32
     # Switch drafting on or off only once the modelled saving has paid for a switch there and
-    # back, as measured on this replica (pipeline.vllm_spec.switch_cost), and space the unlocks
-    # by it; off: switch as soon as the best k crosses 0. Off by default: in two runs at 8 and
-    # 16 requests it bought nothing measurable (docs/serving_vllm.md).
+    # back, as measured on this replica (pipeline.vllm_spec.switch_cost); off: switch as soon
+    # as the best k crosses 0. Off by default: in two runs at 8 and 16 requests it bought
+    # nothing measurable (docs/serving_vllm.md).
     price_switches: bool = False
+    # Price each side of 0 with what its steps cost beyond the decode-step model (arrivals'
+    # draft prefills, catch-ups, switches: pipeline.vllm_spec.side_overhead); off: steady
+    # decode steps only (and the overhead is not measured). Off by default: at 8 and 16
+    # requests it lost as much as it won (docs/serving_vllm.md).
+    price_overhead: bool = False
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
     # Per step, the share by which acceptance evidence fades back to the prior (the offline
@@ -45,6 +51,9 @@ class PlannerConfig:
     # with the plugin's drafter: speculation off on a speculating engine)
     design: str = "policy"
     trim: bool = True  # verify a drafted chain only as far as the marginal rule keeps it
+    # Price a row's j-th draft at its rate times the depth's measured factor (accepted there
+    # over what the rates expected, pipeline.vllm_spec.row_acceptance); off: a geometric chain.
+    depth_factors: bool = True
     # Fit the step cost's row term and drafting terms (c_row, s0, s_row); false holds them at
     # 0 (the form without them, for comparison).
     row_terms: bool = True

@@ -15,11 +15,23 @@ the last few hundred (LONG_DECAY). It used to fade to the offline rate itself, w
 ShareGPT (0.728) sits above what the replica measures online (0.55-0.63): every stretch at 0
 pulled the estimates up until drafting looked worth it again, and the replica drafted at 16
 requests where drafting loses (docs/serving_vllm.md).
+
+**Depth factors.** A geometric chain gives its j-th draft the row's rate ``a`` whatever j;
+measured at 16 requests, chains of 4 accepted 2.62 tokens where that expected 3.17, chains of
+1 above it (0.66 / 0.58): deep tokens are accepted less than the first, and the rows kept long
+are those whose noisy estimates are high. So each mode keeps, per depth j, the drafts judged
+there against the rates the estimates gave them; a row's j-th draft is accepted, once its
+j - 1 before were, at ``min(a f_j, 0.995)`` with ``f_j`` that ratio (a prior of 1 worth
+DEPTH_PRIOR expected acceptances, decayed DEPTH_DECAY a chain): ``reach`` is what the choice and the
+marginal rule price a chain with.
 """
 
 from __future__ import annotations
 
 LONG_DECAY = 0.995  # per judged chain, of a mode's longer memory (the estimates' fade target)
+DEPTH_DECAY = 0.999  # per judged chain, of the depth factors' counts
+DEPTH_PRIOR = 10.0  # expected acceptances a depth factor's prior of 1 is worth
+TOP_RATE = 0.995
 
 
 class RowAcceptance:
@@ -29,6 +41,7 @@ class RowAcceptance:
         prior_weight: float = 4.0,
         decay: float = 0.98,
         revert: float = 0.01,
+        depth_factors: bool = True,
     ):
         self.mode_rates = dict(mode_rates)
         self.prior_weight = prior_weight  # judged tokens the prior is worth
@@ -45,6 +58,9 @@ class RowAcceptance:
         # drafted length -> [accepted, accepted as the row's estimate had it, chains]: whether
         # the estimates the choice priced with held for the chains they chose (a report)
         self.by_length: dict[int, list[float]] = {}
+        self.use_depth = depth_factors
+        # mode -> per depth j = 1, 2, ...: [drafts accepted there, what the rows' rates expected]
+        self.depth: dict[str, list[list[float]]] = {m: [] for m in self.mode_rates}
 
     def set_mode(self, request_id: str, mode: str) -> None:
         self.modes[request_id] = mode
@@ -57,7 +73,23 @@ class RowAcceptance:
         acc, trials = self.requests.get(request_id, self.pooled[mode])
         if trials <= 0:
             return self.mode_rates[mode]
-        return min(max(acc / trials, 0.0), 0.995)
+        return min(max(acc / trials, 0.0), TOP_RATE)
+
+    def factors(self, mode: str, k: int) -> list[float]:
+        """The depth factors f_1..f_k of a mode (1 without evidence, or when turned off)."""
+        seen = self.depth[mode] if self.use_depth else []
+        return [
+            (seen[j][0] + DEPTH_PRIOR) / (seen[j][1] + DEPTH_PRIOR) if j < len(seen) else 1.0
+            for j in range(k)
+        ]
+
+    def reach(self, request_id: str, k: int) -> list[float]:
+        """Probability that each of a row's first k drafts is accepted (its prefix with it)."""
+        a, p, out = self.rate(request_id), 1.0, []
+        for f in self.factors(self.mode(request_id), k):
+            p *= min(a * f, TOP_RATE)
+            out.append(p)
+        return out
 
     def observe_chain(self, request_id: str, drafted: int, accepted: int) -> None:
         """One judged chain: ``accepted`` of ``drafted`` tokens kept (a prefix)."""
@@ -65,12 +97,19 @@ class RowAcceptance:
             return
         accepted = min(max(accepted, 0), drafted)
         trials = accepted + (1 if accepted < drafted else 0)
-        a = self.rate(request_id)
+        a, mode = self.rate(request_id), self.mode(request_id)
         seen = self.by_length.setdefault(drafted, [0.0, 0.0, 0])
         seen[0] += accepted
-        seen[1] += a * (1.0 - a**drafted) / (1.0 - a)  # a geometric chain's expectation
+        seen[1] += sum(self.reach(request_id, drafted))  # what the choice priced it at
         seen[2] += 1
-        mode = self.mode(request_id)
+        depth = self.depth[mode]
+        depth.extend([0.0, 0.0] for _ in range(drafted - len(depth)))
+        for j, counts in enumerate(depth):
+            counts[0] *= DEPTH_DECAY
+            counts[1] *= DEPTH_DECAY
+            if j < trials:  # the j+1-th draft was judged: every one up to the first rejection
+                counts[0] += j < accepted
+                counts[1] += a
         self.judged[mode][0] += accepted
         self.judged[mode][1] += drafted
         pooled = self.pooled[mode]
@@ -117,7 +156,13 @@ class RowAcceptance:
             f"{d}: {acc / n:.2f}/{model / n:.2f} ({n})"
             for d, (acc, model, n) in sorted(self.by_length.items())
         )
+        depth = "; ".join(
+            f"{m} " + " ".join(f"{f:.2f}" for f in self.factors(m, len(self.depth[m])))
+            for m in self.mode_rates
+            if self.depth[m]
+        )
         return (
             f"pooled acceptance (recent chains) {recent}; accepted / drafted over the run "
-            f"{run or '-'}; accepted per chain measured/modelled by its length {lengths or '-'}"
+            f"{run or '-'}; accepted per chain measured/modelled by its length {lengths or '-'}; "
+            f"depth factors {depth or '-'}"
         )

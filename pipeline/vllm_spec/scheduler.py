@@ -76,7 +76,8 @@ class CostAwareScheduler(Scheduler):
         # K = 5 steps 51 ms where 8-row ones took 33), which no draft length causes.
         self.churn_steps = 0
         self._arrived = False
-        # started, P, k, B, whether every row only decodes, the switch it makes (or None)
+        # started, P (verified positions: a prompt's are not), k, B, whether every row only
+        # decodes, the switch it makes (or None)
         self._step: tuple[float, int, int, int, bool, str | None] | None = None
         self._done: tuple[float, int, int, int, bool, str | None, int] | None = None  # + made
 
@@ -107,9 +108,10 @@ class CostAwareScheduler(Scheduler):
         ids = list(output.num_scheduled_tokens)
         if self.num_spec_tokens > 0 and ids:
             output.num_spec_tokens_to_schedule = planner.choose(ids)
+        spec = output.scheduled_spec_decode_tokens
         self._step = (
             started,
-            output.total_num_scheduled_tokens,
+            len(ids) + sum(len(tokens) for tokens in spec.values()),  # verified positions
             output.num_spec_tokens_to_schedule,
             len(ids),
             _decode_only(output),

@@ -4,8 +4,9 @@ refined online on the replica that runs it (numpy only: it runs in vLLM's engine
 is tested without vLLM).
 
 - **Acceptance**, per request and decoding mode (a row is priced at its own temperature), a
-  per-token rate ``a`` from the chains vLLM verifies (pipeline.vllm_spec.row_acceptance); a
-  row drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens.
+  per-token rate ``a`` from the chains vLLM verifies, its j-th draft accepted with its prefix
+  at ``reach_j``, the product of ``min(a f_i, 0.995)`` over i <= j, ``f_i`` the depth factors
+  (pipeline.vllm_spec.row_acceptance); a row verifying k drafts yields 1 + reach_1..k tokens.
 - **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + c_row B +
   k (d0 + d_row B) + [k > 0] (s0 + s_row B)`` ms (pipeline.vllm_spec.online_step_cost), P
   verified positions, U(P) the expected union of experts they load, B rows, k draft rounds;
@@ -20,8 +21,7 @@ steady state where every step drafts k for every row, each row counted for the d
 ``keep`` will verify of its chain; with ``price_switches`` it crosses 0 (drafting on or off)
 only once a switch there and back has paid (pipeline.vllm_spec.switch_cost). ``keep(row, n)``
 is the marginal rule for a chain already drafted: its j-th token is verified only if what it
-adds in expectation, ``a^j`` tokens, is worth its verification at the replica's recent tokens
-per ms.
+adds in expectation, ``reach_j``, is worth its verification at the replica's recent tokens/ms.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pipeline.vllm_spec.online_step_cost import OnlineStepCost
 from pipeline.vllm_spec.planner_config import PlannerConfig
 from pipeline.vllm_spec.priors import MODES, Priors
 from pipeline.vllm_spec.row_acceptance import RowAcceptance
+from pipeline.vllm_spec.side_overhead import SideOverhead
 from pipeline.vllm_spec.switch_cost import SwitchCost, unlock_after
 
 REPLAN_EVERY = 8  # steps a choice's pricing of every k is reused (StepPlanner._worth)
@@ -53,7 +54,9 @@ class StepPlanner:
         mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
         }
-        self.acceptance = RowAcceptance(mode_rates, c.prior_weight, c.decay, c.revert)
+        self.acceptance = RowAcceptance(
+            mode_rates, c.prior_weight, c.decay, c.revert, c.depth_factors
+        )
         self.rng = np.random.default_rng(c.seed)
         self.caps: dict[str, int] = {}  # id -> most draft tokens its row may verify
         self.steps = 0
@@ -72,8 +75,8 @@ class StepPlanner:
         self._worth_age = 0
         self._worth_cached = self._worth_ms = np.zeros(0)
         self.switch_cost = SwitchCost()
-        self._prices_key: tuple | None = None  # what _position_prices last priced
-        self._prices: list[float] = []
+        self.overhead = SideOverhead()
+        self._priced = self._priced_step = self._was_unlock = False  # see choose()
         self._policy_k = -1  # the last k chosen by the model (not an unlock's)
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
@@ -81,14 +84,6 @@ class StepPlanner:
     @property
     def modes(self) -> dict[str, str]:
         return self.acceptance.modes
-
-    @property
-    def requests(self) -> dict[str, list[float]]:
-        return self.acceptance.requests
-
-    @property
-    def pooled(self) -> dict[str, list[float]]:
-        return self.acceptance.pooled
 
     def set_mode(self, request_id: str, mode: str) -> None:
         self.acceptance.set_mode(request_id, mode)
@@ -142,13 +137,19 @@ class StepPlanner:
         the step produced, for the replica's recent tokens per ms. A step that also prefills,
         catches the draft up or saw a request arrive or end (``decode`` False) is not fitted:
         the model prices decode steps (a catch-up's cost is its backlog's, an arrival's the
-        serving stack's, neither the draft length's), whose positions are
-        verified ones (at T > 0 each costs the rejection test's sampling over the vocabulary);
-        a prompt's hundred positions priced the same would pull c_pos to a prefill's cost.
+        serving stack's, neither the draft length's; ``positions`` are verified ones), and
+        what the others cost beyond it is its side's (pipeline.vllm_spec.side_overhead).
         ``switch`` ("on" or "off"): an otherwise decode-only step that switched drafting,
         measured by what it cost above a steady step's price (pipeline.vllm_spec.switch_cost)."""
         if not math.isfinite(ms) or ms <= 0:
             return
+        if self._priced_step and self.config.price_overhead:
+            # A fitted step's excess is the fit's to learn (it counts 0); a wind-down step is
+            # drafting's cost: its last drafts still run on vLLM's speculative path.
+            steady = self.cost.step_ms(positions, k, rows)
+            made, drafting = rows if tokens is None else tokens, k > 0 or switch == "off"
+            self.overhead.observe(rows, drafting, steady if decode else ms, steady, made)
+        self._priced_step = False
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
         self.acceptance.fade_to_prior()
@@ -172,25 +173,12 @@ class StepPlanner:
         drafted = capped
         if not self.config.trim or self.config.design == "fixed" or self.tokens_per_ms <= 0:
             return drafted
-        a, kept, extras = self.rate(request_id), 0, self._position_prices(positions)
-        while kept < drafted:
-            if a ** (kept + 1) < extras[kept] * self.tokens_per_ms:
-                break
+        reach, kept = self.acceptance.reach(request_id, drafted), 0
+        extras = self.cost.position_prices(positions, self.max_k)
+        while kept < drafted and reach[kept] >= extras[kept] * self.tokens_per_ms:
             kept += 1
         self.trimmed += drafted - kept
         return kept
-
-    def _position_prices(self, positions: int) -> list[float]:
-        """What the j-th extra verified position costs in a step of ``positions`` (rows),
-        j = 0..K-1: the same for every row of a step, so priced once per step (per row it was
-        0.6 ms of a 16-row step)."""
-        key = (positions, self.cost.version)
-        if key != self._prices_key:
-            self._prices_key = key
-            self._prices = [
-                max(self.cost.position_ms(positions + j, positions), 0.0) for j in range(self.max_k)
-            ]
-        return self._prices
 
     def report(self) -> str:
         """One line of the planner's state: what it chose, believes and measured."""
@@ -204,18 +192,28 @@ class StepPlanner:
             f"left unverified; {self.held_off} row-steps held off by their request; "
             f"{self.measured_off} steps held at 0 to measure drafting; {self.unlocked} "
             f"drafted after {self.config.unlock_every} or more at 0; "
-            f"{self.switch_cost.report()}; {self.cost.report()}"
+            f"{self.switch_cost.report()}; {self.overhead.report()}; {self.cost.report()}"
         )
 
     # -- the choice ---------------------------------------------------------------------
 
-    def expected_tokens(self, rates: np.ndarray, k: int, caps: np.ndarray | None = None) -> float:
+    def expected_tokens(self, ids: list[str], k: int, caps: np.ndarray | None = None) -> float:
         """Tokens a step makes when each row verifies k drafts (at most its cap)."""
-        ks = k if caps is None else np.minimum(k, caps)
-        return float(np.sum((1.0 - rates ** (ks + 1)) / (1.0 - rates)))
+        ks = np.full(len(ids), k) if caps is None else np.minimum(k, caps)
+        return float(len(ids) + self._gains(ids)[np.arange(len(ks)), ks].sum())
+
+    def _gains(self, request_ids: list[str]) -> np.ndarray:
+        """Per row, the drafts it adds in expectation verifying 0..K (row_acceptance.reach)."""
+        reach = [self.acceptance.reach(r, self.max_k) for r in request_ids]
+        return np.cumsum(np.pad(np.array(reach).reshape(len(reach), -1), ((0, 0), (1, 0))), 1)
 
     def choose(self, request_ids: list[str]) -> int:
+        unlocked, self._priced = self.unlocked, False
         k = self._choose(request_ids)
+        # A step the model chose, not an unlock's nor the wind-down after one: its time is
+        # its side's (pipeline.vllm_spec.side_overhead).
+        self._priced_step = self._priced and self.unlocked == unlocked and not self._was_unlock
+        self._was_unlock = self.unlocked > unlocked
         self.chosen[k] += 1
         self.switches += int(self._last_k >= 0 and k != self._last_k)
         self._last_k = k
@@ -230,28 +228,29 @@ class StepPlanner:
         if key == self._worth_key and self._worth_age < REPLAN_EVERY:
             self._worth_age += 1
             return self._worth_cached
-        rates = np.array([self.rate(r) for r in request_ids])
-        rows = len(request_ids)
+        gains, rows = self._gains(request_ids), len(request_ids)
         # Every k at once: each row verifies min(k, its cap, what the marginal rule will
         # keep of its chain) drafts; the step still pays k draft rounds.
         ks = np.arange(top + 1)
-        bound = np.minimum(caps, self._kept(rates, rows))
+        bound = np.minimum(caps, self._kept(np.diff(gains, axis=1), rows))
         verified = np.minimum(ks[:, None], bound[None, :])
-        tokens = np.sum((1.0 - rates ** (verified + 1)) / (1.0 - rates), axis=1)
-        ms = np.maximum(self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows), 1e-3)
+        tokens = rows + gains[np.arange(rows)[None, :], verified].sum(axis=1)
+        ms = self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows)
+        if self.config.price_overhead:
+            ms = ms + self.overhead.ms(rows, tokens)
+        ms = np.maximum(ms, 1e-3)
         self._worth_cached, self._worth_key, self._worth_age = tokens / ms, key, 1
         self._worth_ms = ms
         return self._worth_cached
 
-    def _kept(self, rates: np.ndarray, rows: int) -> np.ndarray:
-        """How many drafted tokens of each row's chain ``keep`` would verify: a k beyond it
-        pays draft rounds for tokens dropped unverified (31,038 in a run at 8 and 16 requests
-        where the choice counted them, 21,760 in a like run since)."""
+    def _kept(self, reach: np.ndarray, rows: int) -> np.ndarray:
+        """How many drafted tokens of each row's chain ``keep`` would verify (``reach``: rows
+        x K): a k beyond it pays draft rounds for tokens dropped unverified (31,038 in a run at
+        8 and 16 requests where the choice counted them, 21,760 in a like run since)."""
         if not self.config.trim or self.tokens_per_ms <= 0:
-            return np.full(len(rates), self.max_k)
-        worth = rates[:, None] ** np.arange(1, self.max_k + 1)[None, :]
-        prices = np.array(self._position_prices(rows)) * self.tokens_per_ms
-        return np.cumprod(worth >= prices[None, :], axis=1).sum(axis=1)
+            return np.full(len(reach), self.max_k)
+        prices = np.array(self.cost.position_prices(rows, self.max_k)) * self.tokens_per_ms
+        return np.cumprod(reach >= prices[None, :], axis=1).sum(axis=1)
 
     def _side(self, worth: np.ndarray, best_k: int, rows: int) -> int:
         if not self.config.price_switches or self._policy_k < 0:
@@ -283,13 +282,14 @@ class StepPlanner:
             return int(self.rng.integers(0, top + 1))
         worth = self._worth(request_ids, caps, top)
         best_k = self._policy_k = self._side(worth, int(np.argmax(worth)), len(request_ids))
+        self._priced = True
         if best_k > 0:
             self._at_zero = self._unlock_left = 0
             return best_k
         if not self._unlock_left:
             self._at_zero += 1
             every = self.config.unlock_every
-            pair = self.switch_cost.pair_ms(len(request_ids)) if self.config.price_switches else 0
+            pair = self.switch_cost.pair_ms(len(request_ids))
             if not every or self._at_zero < unlock_after(every, pair, self._worth_ms[0]):
                 return 0
             # Two steps: the first's draft pass also catches up the steps at 0 (the scheduler

@@ -18,7 +18,8 @@ more than its steady price, and as the average's first value it held an engine d
 while the modelled best k is on the other side of 0 from the current one, the milliseconds it
 would save per step add up, and the planner switches once they reach a pair of switches
 (there and back); an agreement of the two resets the sum. Opt-in (``price_switches``): in
-vLLM at 8 and 16 requests it bought nothing measurable (docs/serving_vllm.md).
+vLLM at 8 and 16 requests it bought nothing measurable (docs/serving_vllm.md). The unlocks
+(``unlock_every``) are spaced by the measured pair in any case (``unlock_after``).
 """
 
 from __future__ import annotations
