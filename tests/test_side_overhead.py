@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from planner_steps import judge_chains
 
 from pipeline.vllm_spec.online_step_cost import features
 from pipeline.vllm_spec.planner_config import PlannerConfig
@@ -54,12 +55,7 @@ def _with_arrivals(config: PlannerConfig, steps: int = 3000) -> tuple[float, flo
         arrival = rng.random() < 0.2
         ms = float(features(positions, k, len(ids)) @ TRUTH)
         ms += (2.0 + (5.0 if k else 0.0)) if arrival else 0.0
-        tokens = 0
-        for request in ids:
-            accepted = int(np.argmin(np.append(rng.random(last) < 0.55, False)))
-            if last:
-                planner.observe_chain(request, last, accepted)
-            tokens += accepted + 1
+        tokens = judge_chains(planner, ids, last, 0.55, rng)
         planner.observe_step(positions, k, len(ids), ms, tokens, decode=not arrival)
         total_ms, made, last, drafted = total_ms + ms, made + tokens, k, drafted + (k > 0)
     return total_ms / made, drafted / steps

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from planner_steps import judge_chains
 
 from pipeline.vllm_spec.online_step_cost import features
 from pipeline.vllm_spec.planner_config import PlannerConfig
@@ -52,12 +53,7 @@ def _near_the_line(price_switches: bool, steps: int = 3000) -> tuple[int, float]
         positions = len(ids) * (1 + last)  # every row verifies the last step's drafts
         switch = "on" if k > 0 and last == 0 else "off" if k == 0 and last > 0 else None
         ms = float(features(positions, k, len(ids)) @ TRUTH) + EXTRA.get(switch, 0.0)
-        tokens = 0
-        for request in ids:
-            accepted = int(np.argmin(np.append(rng.random(last) < 0.5, False)))
-            if last:
-                planner.observe_chain(request, last, accepted)
-            tokens += accepted + 1
+        tokens = judge_chains(planner, ids, last, 0.5, rng)
         planner.observe_step(
             positions,
             k,
