@@ -19,7 +19,8 @@ step of the band from PRIOR_TOKENS tokens at 0 ms (a side not chosen fades back 
 step's excess clipped to CLIP steady steps; the choice prices each k at its steady price plus
 its expected tokens times its side's excess per token. Steps the planner drafts to measure
 (unlocks) are left out: a pair of them carries a whole stretch's catch-up, which steady
-drafting does not.
+drafting does not. Opt-in (``price_overhead``): in vLLM at 1, 8 and 16 requests it lost as
+much as it won (docs/serving_vllm.md).
 """
 
 from __future__ import annotations
