@@ -55,8 +55,8 @@ class RowAcceptance:
         self.pooled = {m: [r * w, w] for m, r in self.mode_rates.items()}
         self.long = {m: [r * w, w] for m, r in self.mode_rates.items()}
         self.judged = {m: [0, 0] for m in self.mode_rates}  # the run's accepted, drafted
-        # drafted length -> [accepted, accepted as the row's estimate had it, chains]: whether
-        # the estimates the choice priced with held for the chains they chose (a report)
+        # drafted length -> [accepted, accepted as the choice priced it, chains]: whether the
+        # prices held for the chains they chose (a report)
         self.by_length: dict[int, list[float]] = {}
         self.use_depth = depth_factors
         # mode -> per depth j = 1, 2, ...: [drafts accepted there, what the rows' rates expected]
