@@ -136,6 +136,10 @@ class OnlineStepCost:
         """step_ms of each (positions, k) pair at ``rows`` rows, at once."""
         return features(positions, ks, rows, self.union(positions)) @ self._solved(band(rows))
 
+    def coefficient(self, term: str, rows: int) -> float:
+        """One term's coefficient (TERMS) in the band of ``rows``."""
+        return float(self._solved(band(rows))[TERMS.index(term)])
+
     def position_ms(self, positions: float, rows: int) -> float:
         """What one more verified position costs in a step of ``positions`` over ``rows``
         rows: its own work and the experts it adds to the step's union."""

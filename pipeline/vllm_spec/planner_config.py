@@ -29,11 +29,10 @@ class PlannerConfig:
     # as the best k crosses 0. Off by default: in two runs at 8 and 16 requests it bought
     # nothing measurable (docs/serving_vllm.md).
     price_switches: bool = False
-    # Price each side of 0 with what its steps cost beyond the decode-step model (arrivals'
-    # draft prefills, catch-ups, switches: pipeline.vllm_spec.side_overhead); off: steady
-    # decode steps only (and the overhead is not measured). Off by default: at 8 and 16
-    # requests it lost as much as it won (docs/serving_vllm.md).
-    price_overhead: bool = False
+    # Price drafting's prefill of every prompt by the draft, per token made (the batch's
+    # prompt / output times the draft's measured prefill ms per token:
+    # pipeline.vllm_spec.draft_prefill); off: steady decode steps only.
+    price_prefill: bool = True
     forget: float = 0.995  # per-step forgetting of the step-cost fit
     decay: float = 0.98  # per judged chain, of a request's acceptance counts
     # Per step, the share by which acceptance evidence fades back to the prior (the offline

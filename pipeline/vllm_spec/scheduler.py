@@ -69,6 +69,10 @@ class CostAwareScheduler(Scheduler):
         # Rows scheduled at a k = 0 step since they last drafted: with the plugin the draft
         # skipped their tokens, and the next drafting step's first pass catches them up.
         self._behind: set[str] = set()
+        # Per request, its computed tokens the draft had processed at its last drafted step
+        # (the others are the backlog a catch-up processes); 0 for one never drafted.
+        self._drafted_to: dict[str, int] = {}
+        self._caught_up = 0  # tokens this step's draft pass catches up
         self.catch_up_steps = 0  # steps timed with a catch-up in them, not fitted (a report)
         self.wind_down_steps = 0  # steps at 0 that verified drafts, not fitted (a report)
         # Steps whose window saw a request arrive or end, not fitted (a report): served, such a
@@ -77,9 +81,9 @@ class CostAwareScheduler(Scheduler):
         self.churn_steps = 0
         self._arrived = False
         # started, P (verified positions: a prompt's are not), k, B, whether every row only
-        # decodes, the switch it makes (or None)
-        self._step: tuple[float, int, int, int, bool, str | None] | None = None
-        self._done: tuple[float, int, int, int, bool, str | None, int] | None = None  # + made
+        # decodes, the switch it makes (or None), the tokens it catches up
+        self._step: tuple[float, int, int, int, bool, str | None, int] | None = None
+        self._done: tuple[float, int, int, int, bool, str | None, int, int] | None = None
 
     def schedule(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
@@ -95,6 +99,9 @@ class CostAwareScheduler(Scheduler):
             if request.request_id not in planner.modes:
                 params = request.sampling_params
                 planner.set_mode(request.request_id, mode_of(getattr(params, "temperature", 0)))
+                planner.prefill.set_shape(
+                    request.request_id, request.num_prompt_tokens, getattr(params, "max_tokens", 0)
+                )
                 cap = draft_cap(params, self.num_spec_tokens)
                 if cap < self.num_spec_tokens:
                     planner.set_cap(request.request_id, cap)
@@ -116,6 +123,7 @@ class CostAwareScheduler(Scheduler):
             len(ids),
             _decode_only(output),
             self._switch(ids, output),
+            self._caught_up,
         )
         return output
 
@@ -139,9 +147,16 @@ class CostAwareScheduler(Scheduler):
         every missed token), and fitted it would price drafting at what switching costs."""
         if self.num_spec_tokens == 0:
             return False
+        self._caught_up = 0
         if output.num_spec_tokens_to_schedule == 0:
             self._behind.update(ids)
             return False
+        scheduled, drafted_to = output.num_scheduled_tokens, self._drafted_to
+        for req_id in ids:
+            done = self.requests[req_id].num_computed_tokens  # this step's tokens included
+            if req_id in self._behind:
+                self._caught_up += max(done - scheduled[req_id] - drafted_to.get(req_id, 0), 0)
+            drafted_to[req_id] = done
         behind = not self._behind.isdisjoint(ids)
         self._behind.difference_update(ids)
         self.catch_up_steps += int(behind)
@@ -167,6 +182,8 @@ class CostAwareScheduler(Scheduler):
         if self.planner.steps % PRUNE_EVERY == 0:
             self.planner.forget_requests(set(self.requests))
             self._behind.intersection_update(self.requests)
+            for gone in set(self._drafted_to) - set(self.requests):
+                del self._drafted_to[gone]
         if self.planner.steps % REPORT_EVERY == 0 and self.planner.steps:
             self._report("")
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -176,7 +193,7 @@ class CostAwareScheduler(Scheduler):
         return outputs
 
     def _observe(self, now: float) -> None:
-        started, positions, k, rows, decode, switch, made = self._done
+        started, positions, k, rows, decode, switch, caught_up, made = self._done
         self._done = None
         # finished_req_ids: the requests freed since the last schedule (ended or aborted).
         churn = decode and (self._arrived or bool(self.finished_req_ids))
@@ -190,7 +207,13 @@ class CostAwareScheduler(Scheduler):
             made,
             clean and switch is None,
             switch if clean else None,
+            caught_up,
         )
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any):
+        # Its output teaches the planner how long requests run (draft_prefill).
+        self.planner.prefill.ended(request.request_id, request.num_output_tokens)
+        return super()._free_request(request, *args, **kwargs)
 
     def shutdown(self) -> None:
         self._report(" at shutdown")

@@ -18,10 +18,12 @@ is tested without vLLM).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
 steady state where every step drafts k for every row, each row counted for the drafts
-``keep`` will verify of its chain; with ``price_switches`` it crosses 0 (drafting on or off)
-only once a switch there and back has paid (pipeline.vllm_spec.switch_cost). ``keep(row, n)``
-is the marginal rule for a chain already drafted: its j-th token is verified only if what it
-adds in expectation, ``reach_j``, is worth its verification at the replica's recent tokens/ms.
+``keep`` will verify of its chain, T at k > 0 plus those tokens' share of the draft's prefill
+of the prompts (pipeline.vllm_spec.draft_prefill); with ``price_switches`` it crosses 0
+(drafting on or off) only once a switch there and back has paid (pipeline.vllm_spec.switch_cost;
+at least the catch-up it will make). ``keep(row, n)`` is the marginal rule for a chain
+already drafted: its j-th token is verified only if what it adds in expectation,
+``reach_j``, is worth its verification at the replica's recent tokens/ms.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ import math
 
 import numpy as np
 
+from pipeline.vllm_spec.draft_prefill import DraftPrefill
 from pipeline.vllm_spec.online_step_cost import OnlineStepCost
 from pipeline.vllm_spec.planner_config import PlannerConfig
 from pipeline.vllm_spec.priors import MODES, Priors
 from pipeline.vllm_spec.row_acceptance import RowAcceptance
-from pipeline.vllm_spec.side_overhead import SideOverhead
 from pipeline.vllm_spec.switch_cost import SwitchCost, unlock_after
 
 REPLAN_EVERY = 8  # steps a choice's pricing of every k is reused (StepPlanner._worth)
@@ -75,8 +77,7 @@ class StepPlanner:
         self._worth_age = 0
         self._worth_cached = self._worth_ms = np.zeros(0)
         self.switch_cost = SwitchCost()
-        self.overhead = SideOverhead()
-        self._priced = self._priced_step = self._was_unlock = False  # see choose()
+        self.prefill = DraftPrefill(self.cost)
         self._policy_k = -1  # the last k chosen by the model (not an unlock's)
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
@@ -104,6 +105,7 @@ class StepPlanner:
 
     def forget_requests(self, alive: set[str]) -> None:
         self.acceptance.forget(alive)
+        self.prefill.forget(alive)
         for gone in set(self.caps) - alive:
             del self.caps[gone]
 
@@ -132,24 +134,19 @@ class StepPlanner:
         tokens: int | None = None,
         decode: bool = True,
         switch: str | None = None,
+        caught_up: int = 0,
     ) -> None:
         """One timed engine step (pipeline.vllm_spec.online_step_cost); ``tokens``: what
         the step produced, for the replica's recent tokens per ms. A step that also prefills,
         catches the draft up or saw a request arrive or end (``decode`` False) is not fitted:
         the model prices decode steps (a catch-up's cost is its backlog's, an arrival's the
-        serving stack's, neither the draft length's; ``positions`` are verified ones), and
-        what the others cost beyond it is its side's (pipeline.vllm_spec.side_overhead).
+        serving stack's, neither the draft length's; ``positions`` are verified ones).
         ``switch`` ("on" or "off"): an otherwise decode-only step that switched drafting,
-        measured by what it cost above a steady step's price (pipeline.vllm_spec.switch_cost)."""
+        measured by what it cost above a steady step's price (pipeline.vllm_spec.switch_cost);
+        switching on, it caught up ``caught_up`` tokens of the draft (the draft's prefill
+        price, pipeline.vllm_spec.draft_prefill)."""
         if not math.isfinite(ms) or ms <= 0:
             return
-        if self._priced_step and self.config.price_overhead:
-            # A fitted step's excess is the fit's to learn (it counts 0); a wind-down step is
-            # drafting's cost: its last drafts still run on vLLM's speculative path.
-            steady = self.cost.step_ms(positions, k, rows)
-            made, drafting = rows if tokens is None else tokens, k > 0 or switch == "off"
-            self.overhead.observe(rows, drafting, steady if decode else ms, steady, made)
-        self._priced_step = False
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
         self.acceptance.fade_to_prior()
@@ -161,6 +158,8 @@ class StepPlanner:
         if switch is not None:
             steady = self.cost.step_ms(positions, k, rows)
             self.switch_cost.observe(switch == "on", rows, ms, steady)
+            if switch == "on":
+                self.prefill.observe_catch_up(ms - steady, caught_up)
 
     def keep(self, request_id: str, drafted: int, positions: int = 1) -> int:
         """How many of a row's ``drafted`` tokens to verify (the marginal rule), in a step of
@@ -192,7 +191,7 @@ class StepPlanner:
             f"left unverified; {self.held_off} row-steps held off by their request; "
             f"{self.measured_off} steps held at 0 to measure drafting; {self.unlocked} "
             f"drafted after {self.config.unlock_every} or more at 0; "
-            f"{self.switch_cost.report()}; {self.overhead.report()}; {self.cost.report()}"
+            f"{self.switch_cost.report()}; {self.prefill.report()}; {self.cost.report()}"
         )
 
     # -- the choice ---------------------------------------------------------------------
@@ -208,12 +207,7 @@ class StepPlanner:
         return np.cumsum(np.pad(np.array(reach).reshape(len(reach), -1), ((0, 0), (1, 0))), 1)
 
     def choose(self, request_ids: list[str]) -> int:
-        unlocked, self._priced = self.unlocked, False
         k = self._choose(request_ids)
-        # A step the model chose, not an unlock's nor the wind-down after one: its time is
-        # its side's (pipeline.vllm_spec.side_overhead).
-        self._priced_step = self._priced and self.unlocked == unlocked and not self._was_unlock
-        self._was_unlock = self.unlocked > unlocked
         self.chosen[k] += 1
         self.switches += int(self._last_k >= 0 and k != self._last_k)
         self._last_k = k
@@ -236,8 +230,8 @@ class StepPlanner:
         verified = np.minimum(ks[:, None], bound[None, :])
         tokens = rows + gains[np.arange(rows)[None, :], verified].sum(axis=1)
         ms = self.cost.steps_ms(rows + verified.sum(axis=1), ks, rows)
-        if self.config.price_overhead:
-            ms = ms + self.overhead.ms(rows, tokens)
+        if self.config.price_prefill:  # every k > 0 pays its tokens' share of the prompts
+            ms[1:] += tokens[1:] * self.prefill.per_token(request_ids)
         ms = np.maximum(ms, 1e-3)
         self._worth_cached, self._worth_key, self._worth_age = tokens / ms, key, 1
         self._worth_ms = ms
@@ -252,10 +246,15 @@ class StepPlanner:
         prices = np.array(self.cost.position_prices(rows, self.max_k)) * self.tokens_per_ms
         return np.cumprod(reach >= prices[None, :], axis=1).sum(axis=1)
 
-    def _side(self, worth: np.ndarray, best_k: int, rows: int) -> int:
+    def _side(self, worth: np.ndarray, best_k: int, request_ids: list[str]) -> int:
         if not self.config.price_switches or self._policy_k < 0:
             return best_k
-        return self.switch_cost.side(self._policy_k, best_k, worth, self._worth_ms, rows)
+        rows, floor = len(request_ids), self._catch_up_ms(request_ids)
+        return self.switch_cost.side(self._policy_k, best_k, worth, self._worth_ms, rows, floor)
+
+    def _catch_up_ms(self, request_ids: list[str]) -> float:
+        """The most a switch on costs the draft's catch-up (pipeline.vllm_spec.draft_prefill)."""
+        return self.prefill.catch_up_ms(request_ids) if self.config.price_prefill else 0.0
 
     def _choose(self, request_ids: list[str]) -> int:
         if self.max_k == 0 or not request_ids or self.config.design == "off":
@@ -281,15 +280,15 @@ class StepPlanner:
         if self.config.explore > 0 and self.rng.random() < self.config.explore:
             return int(self.rng.integers(0, top + 1))
         worth = self._worth(request_ids, caps, top)
-        best_k = self._policy_k = self._side(worth, int(np.argmax(worth)), len(request_ids))
-        self._priced = True
+        best_k = self._policy_k = self._side(worth, int(np.argmax(worth)), request_ids)
         if best_k > 0:
             self._at_zero = self._unlock_left = 0
             return best_k
         if not self._unlock_left:
             self._at_zero += 1
             every = self.config.unlock_every
-            pair = self.switch_cost.pair_ms(len(request_ids))
+            # A pair of switches costs at least the catch-up of what the steps at 0 skipped.
+            pair = max(self.switch_cost.pair_ms(len(request_ids)), self._catch_up_ms(request_ids))
             if not every or self._at_zero < unlock_after(every, pair, self._worth_ms[0]):
                 return 0
             # Two steps: the first's draft pass also catches up the steps at 0 (the scheduler

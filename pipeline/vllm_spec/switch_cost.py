@@ -56,21 +56,30 @@ class SwitchCost:
         b = band(rows)
         return float(self.on[b] + self.off[b])
 
-    def side(self, current: int, best_k: int, worth: np.ndarray, ms: np.ndarray, rows: int) -> int:
+    def side(
+        self,
+        current: int,
+        best_k: int,
+        worth: np.ndarray,
+        ms: np.ndarray,
+        rows: int,
+        floor_ms: float = 0.0,
+    ) -> int:
         """``best_k``, or the best k on ``current``'s side of 0 while a switch there and back
-        has not yet paid; ``worth``: modelled tokens per ms at each k, ``ms``: the step's."""
+        has not yet paid; ``worth``: modelled tokens per ms at each k, ``ms``: the step's; a
+        pair of switches costs at least ``floor_ms`` (the catch-up drafting on will make)."""
         if (current > 0) == (best_k > 0):
             self.agree()
             return best_k
         here = 0 if current == 0 else 1 + int(np.argmax(worth[1:]))
         saved = float(ms[here] * (1.0 - worth[here] / worth[best_k]))
-        return best_k if self.pays(saved, rows) else here
+        return best_k if self.pays(saved, rows, floor_ms) else here
 
-    def pays(self, saved_ms: float, rows: int) -> bool:
+    def pays(self, saved_ms: float, rows: int, floor_ms: float = 0.0) -> bool:
         """Whether to switch sides now, the other side's modelled best saving ``saved_ms``
         per step over the current one."""
         self.advantage += max(saved_ms, 0.0)
-        if self.advantage >= self.pair_ms(rows):
+        if self.advantage >= max(self.pair_ms(rows), floor_ms):
             self.advantage = 0.0
             return True
         self.held += 1
