@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from planner_steps import judge_chains
+from planner_steps import TRUTH, judge_chains
 
 from pipeline.vllm_spec.online_step_cost import features
 from pipeline.vllm_spec.planner_config import PlannerConfig
@@ -34,7 +34,6 @@ def test_switch_steps_are_averaged_per_band_and_a_switch_waits_for_its_price() -
     assert one.pair_ms(16) == pytest.approx(0.1 * 20.0)
 
 
-TRUTH = np.array([7.0, 0.085, 0.0, 0.1, 0.9, 0.05, 0.25, 0.1])  # online_step_cost.TERMS
 EXTRA = {"on": 15.0, "off": 5.0}  # ms a switch step costs above its steady price
 
 
