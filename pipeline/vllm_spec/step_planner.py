@@ -287,9 +287,10 @@ class StepPlanner:
         if not self._unlock_left:
             self._at_zero += 1
             every = self.config.unlock_every
-            # A pair of switches costs at least the catch-up of what the steps at 0 skipped.
+            if not every or self._at_zero < every:
+                return 0  # a pair of switches, at least the catch-up, priced only past here
             pair = max(self.switch_cost.pair_ms(len(request_ids)), self._catch_up_ms(request_ids))
-            if not every or self._at_zero < unlock_after(every, pair, self._worth_ms[0]):
+            if self._at_zero < unlock_after(every, pair, self._worth_ms[0]):
                 return 0
             # Two steps: the first's draft pass also catches up the steps at 0 (the scheduler
             # does not fit its time), the second is what a drafted step costs.
