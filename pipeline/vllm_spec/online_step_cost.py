@@ -26,12 +26,28 @@ band. With one fit for every batch size, the thousands of 1-row steps of a quiet
 (where P and k move together, so c_pos and d0 trade off) drove c_pos to -0.23 ms, and 16-row
 k = 4 steps (P = 80) were priced at 5.7 ms where they took 18.8: the scheduler drafted at 16
 requests where drafting loses (docs/serving_vllm.md).
+
+Over steps that all draft, the terms a step at k = 0 also pays (intercept, positions, rows)
+and the drafting terms explain the same times: what the data cannot split, the prior's
+weights do, and that decides the price of k = 0 where nothing at 0 is measured. Held per
+coefficient, what 16-row drafted steps measured above the calibration went into the row and
+position terms (they move a 16-row step 16 ms per unit), and steps at 0 were priced above
+what they cost (10.9 ms at the end of a run where they measured 9.0): drafting kept winning
+and nothing at 0 was measured to correct it. So each band keeps a second fit of the same
+steps, the zero fit (pipeline.vllm_spec.band_fit is the least squares under both), whose
+prior holds the four drafting terms per millisecond of the band's steps as loosely as the
+intercept and 25x less than the position and row terms; with ``zero_fit`` k = 0 is priced at
+the lower of the two: an excess of drafted steps then leaves 0 near its prior, a shortfall
+makes 0 cheaper as before, and either way a wrong belief leads to steps at 0, free with the
+plugin, which measure it and bring the fits together. Off by default: in vLLM it measured
+steps at 0 as built, and where it chose them it lost (docs/serving_vllm.md).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from pipeline.vllm_spec.band_fit import BandFit
 from pipeline.vllm_spec.priors import Priors
 
 TERMS = ("c0", "c_pos", "c_union", "c_row", "d0", "d_row", "s0", "s_row")
@@ -69,13 +85,13 @@ class OnlineStepCost:
         prior_precision: float = 1.0,
         forget: float = 0.995,
         row_terms: bool = True,
+        zero_fit: bool = False,
     ):
         calibrated = use_priors and priors.cost is not None
         self._pending: list[tuple[int, int, int, float]] = []  # steps not yet applied
         self.version = 0  # counts changes of the coefficients (a pricing's validity)
         self._prices_key: tuple | None = None  # what position_prices last priced
         self._prices: list[float] = []
-        self._unsolved: set[int] = set()  # bands whose fit changed since their last solve
         self._band = 0  # the band of the last step fitted (``theta``'s)
         prior_theta = np.array(priors.cost if calibrated else prior_cost, dtype=float)
         self.forget = forget
@@ -98,6 +114,17 @@ class OnlineStepCost:
             prior_theta[[3, 6, 7]] = 0.0
             weight[[3, 6, 7]] = 1e12
         self.prior_info = np.diag(weight)
+        self._main = BandFit(np.repeat(self.prior_info[None], BANDS, axis=0), prior_theta)
+        # The zero fit (the module's docstring): per ms of a step of the band's least rows.
+        per_ms = weight.copy()
+        per_ms[[1, 3]] = base
+        per_ms[4:] = weight[4] / 25.0
+        scale = np.array([[1.0, r, 1.0, r, 1.0, r, 1.0, r] for r in 2.0 ** np.arange(BANDS)])
+        zero_weight = per_ms * scale**2
+        held = (weight >= 1e12) | (np.arange(len(TERMS)) == 2)  # the union per coefficient
+        zero_weight[:, held] = weight[held]
+        self._zero = BandFit(np.stack([np.diag(w) for w in zero_weight]), prior_theta)
+        self.zero_fit = zero_fit  # off: k = 0 priced by the main fit alone
         self.anchor(prior_theta)
         self.union_model = priors.union if use_priors else None
         # (rows, k) -> [steps, measured ms, modelled ms before each step's update]: where the
@@ -109,10 +136,8 @@ class OnlineStepCost:
         allowed to forget (the calibration's; a cost given by hand)."""
         self._pending = []
         self.prior_theta = np.asarray(theta, dtype=float).copy()
-        self.info = np.repeat(self.prior_info[None], BANDS, axis=0)
-        self.info_theta = np.repeat((self.prior_info @ self.prior_theta)[None], BANDS, axis=0)
-        self._theta = np.repeat(self.prior_theta[None], BANDS, axis=0)
-        self._unsolved = set()
+        self._main.anchor(self.prior_theta)
+        self._zero.anchor(self.prior_theta)
         self.version += 1
 
     def union(self, positions):
@@ -130,11 +155,22 @@ class OnlineStepCost:
         # The sum, not each term: terms collinear over the steps seen (P = 1 + k at one row)
         # trade off in the fit, and only their sum is measured.
         x = features(positions, k, rows, self.union(positions))
-        return float(x @ self._solved(band(rows)))
+        ms = float(x @ self._solved(band(rows)))
+        if k or not self.zero_fit:
+            return ms
+        return min(ms, float(x @ self._zero_solved(band(rows))))
 
     def steps_ms(self, positions: np.ndarray, ks: np.ndarray, rows: int) -> np.ndarray:
         """step_ms of each (positions, k) pair at ``rows`` rows, at once."""
-        return features(positions, ks, rows, self.union(positions)) @ self._solved(band(rows))
+        return self._priced(features(positions, ks, rows, self.union(positions)), band(rows))
+
+    def _priced(self, x: np.ndarray, b: int) -> np.ndarray:
+        """The steps ``x`` (steps x terms) of band ``b`` priced: k = 0 at the lower fit."""
+        ms = x @ self._solved(b)
+        zero = x[:, 4] == 0
+        if self.zero_fit and zero.any():
+            ms[zero] = np.minimum(ms[zero], x[zero] @ self._zero_solved(b))
+        return ms
 
     def coefficient(self, term: str, rows: int) -> float:
         """One term's coefficient (TERMS) in the band of ``rows``."""
@@ -164,25 +200,29 @@ class OnlineStepCost:
         """The coefficients of the band of the last step fitted, with every step fitted so
         far (a view: changing it changes that band's until its next fitted step)."""
         self._apply()
-        self._solved(self._band)
-        return self._theta[self._band]
+        return self._solved(self._band)
 
     @theta.setter
     def theta(self, value: np.ndarray) -> None:
         """Every band's coefficients, until that band's next fitted step."""
         self._apply()
-        self._theta[:] = np.asarray(value, dtype=float)
-        self._unsolved.clear()
+        self._main.set(value)
+        self._zero.set(value)
         self.version += 1
 
     def _solved(self, b: int) -> np.ndarray:
         """Band ``b``'s coefficients as of the last applied steps (at most FIT_EVERY - 1
         behind)."""
-        if b in self._unsolved:
-            self._theta[b] = np.linalg.solve(self.info[b], self.info_theta[b])
-            self._unsolved.discard(b)
+        theta, new = self._main.solved(b)
+        if new:  # both fits take the same steps: solved together, one change of the prices
+            self._zero.solved(b)
             self.version += 1
-        return self._theta[b]
+        return theta
+
+    def _zero_solved(self, b: int) -> np.ndarray:
+        """Band ``b``'s coefficients in the fit that prices k = 0 where it is cheaper."""
+        self._solved(b)
+        return self._zero.theta[b]
 
     def fit(self, positions: int, k: int, rows: int, ms: float) -> None:
         """One timed decode step: applied with the next ``FIT_EVERY`` - 1 (or when the
@@ -210,7 +250,7 @@ class OnlineStepCost:
         x = features(positions, ks, rows, self.union(positions))
         # Robust to the odd slow step (a first forward at a new shape, the host stalling):
         # one step moves the fit by at most half its prediction plus a millisecond.
-        predicted = x @ self._solved(b)
+        predicted = self._priced(x, b)
         bound = 0.5 * np.abs(predicted) + 1.0
         y = predicted + np.clip(ms - predicted, -bound, bound)
         columns = (ks.tolist(), rows.tolist(), ms.tolist(), predicted.tolist())
@@ -219,26 +259,20 @@ class OnlineStepCost:
             cell[0] += 1
             cell[1] += m
             cell[2] += guess
-        lam, n = self.forget, len(ms)
-        weight = lam ** np.arange(n - 1, -1, -1.0)  # the later a step, the less forgotten
-        held = (1.0 - lam) * float(weight.sum())  # the prior's share, re-added every step
-        self.info[b] = lam**n * self.info[b] + (x * weight[:, None]).T @ x + held * self.prior_info
-        self.info_theta[b] = (
-            lam**n * self.info_theta[b]
-            + x.T @ (weight * y)
-            + held * (self.prior_info @ self.prior_theta)
-        )
-        self._unsolved.add(b)
+        self._main.update(b, x, y, self.forget)
+        self._zero.update(b, x, y, self.forget)
 
     def coefficients(self) -> str:
-        """Each fitted band's coefficients (the prior's before any step)."""
+        """Each fitted band's coefficients (the prior's before any step), and k = 0 at its
+        least rows by the main fit / the zero fit."""
         self._apply()
-        seen = sorted({band(rows) for rows, _ in self.cells}) or [self._band]
-        return "; ".join(
-            f"{_rows(b)}: "
-            + ", ".join(f"{name} {v:.3f}" for name, v in zip(TERMS, self._solved(b), strict=True))
-            for b in seen
-        )
+        parts = []
+        for b in sorted({band(rows) for rows, _ in self.cells}) or [self._band]:
+            theta, x = self._solved(b), features(2**b, 0, 2**b, self.union(2**b))
+            terms = ", ".join(f"{name} {v:.3f}" for name, v in zip(TERMS, theta, strict=True))
+            zero = float(x @ self._zero.theta[b])
+            parts.append(f"{_rows(b)}: {terms}, k = 0 {float(x @ theta):.2f}/{zero:.2f} ms")
+        return "; ".join(parts)
 
     def report(self, least: int = 20) -> str:
         """Mean measured / modelled ms per (rows, k) of the decode steps fitted, for the cells

@@ -56,6 +56,12 @@ class PlannerConfig:
     # Fit the step cost's row term and drafting terms (c_row, s0, s_row); false holds them at
     # 0 (the form without them, for comparison).
     row_terms: bool = True
+    # Price k = 0 at the lower of two fits of the same steps, the second putting what drafted
+    # steps measure above the prior on drafting (pipeline.vllm_spec.online_step_cost); off:
+    # the main fit alone, which puts it on terms steps at 0 pay too. Off by default: in vLLM
+    # it measured steps at 0 as built (at 16 requests 1,282 against 96) and lost 7-11% at 16
+    # ShareGPT requests by choosing 0 for 30% of the steps (docs/serving_vllm.md).
+    zero_fit: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -51,7 +51,7 @@ class StepPlanner:
         priors = priors or Priors()
         use = c.offline_priors
         self.cost = OnlineStepCost(
-            priors, use, c.prior_cost, c.prior_precision, c.forget, c.row_terms
+            priors, use, c.prior_cost, c.prior_precision, c.forget, c.row_terms, c.zero_fit
         )
         mode_rates = {
             m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
