@@ -124,7 +124,9 @@ class OnlineStepCost:
         held = (weight >= 1e12) | (np.arange(len(TERMS)) == 2)  # the union per coefficient
         zero_weight[:, held] = weight[held]
         self._zero = BandFit(np.stack([np.diag(w) for w in zero_weight]), prior_theta)
-        self.zero_fit = zero_fit  # off: k = 0 priced by the main fit alone
+        # Off: k = 0 priced by the main fit alone; the zero fit still learns (one update per
+        # FIT_EVERY steps), and the planner's line reports what it would price.
+        self.zero_fit = zero_fit
         self.anchor(prior_theta)
         self.union_model = priors.union if use_priors else None
         # (rows, k) -> [steps, measured ms, modelled ms before each step's update]: where the
