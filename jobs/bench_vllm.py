@@ -11,6 +11,8 @@ vLLM runs in its own environment (`make vllm-env`; SPECBOUND_VLLM_PYTHON to use 
     python -m jobs.bench_vllm --domains code --concurrency 1,8 --repeats 1 --limit 4
     python -m jobs.bench_vllm --methods none,ours:k=4,draft_model:k=2..4 --no-engine
     python -m jobs.bench_vllm --methods none,ours:k=4:design=off --interleave cells --no-engine
+    python -m jobs.bench_vllm ... --floor-from out/earlier/summary.json   # a held-out floor
+    python -m jobs.bench_vllm --tables-from out/bench_vllm/raw.json --floor-from S --out D
 
 Methods (--methods, comma-separated, knobs as name:knob=value:...; k=A..B expands):
   none                      vLLM without speculation (every ratio's baseline)
@@ -61,7 +63,8 @@ from jobs.cli import (
     run,
     torch_threads,
 )
-from pipeline.bench.vllm import DOMAINS, bench_vllm, check_domains
+from pipeline.bench.vllm import DOMAINS, bench_vllm, check_domains, retable
+from pipeline.bench.vllm_tables import held_out_ks, summarize
 from pipeline.tracking import tracked_run, tracking_uri
 from pipeline.vllm_spec.env import vllm_python
 from pipeline.vllm_spec.methods import DEFAULT_METHODS, parse_methods
@@ -95,6 +98,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cache), the methods alternating cell by cell, so a drift of the machine shorter than "
         "a repeat touches all alike (engines keep what they learned across repeats)",
     )
+    p.add_argument(
+        "--floor-from",
+        type=Path,
+        default=None,
+        metavar="SUMMARY",
+        help="a previous run's summary.json: each cell's floor (what ours must not lose to) "
+        "takes the fixed K that run found best, where this run has it, instead of this run's "
+        "best (chosen on this run's own noise, which reads above every arm)",
+    )
+    p.add_argument(
+        "--tables-from",
+        type=Path,
+        default=None,
+        metavar="RAW",
+        help="run nothing: the tables of an earlier run's raw.json (with --floor-from, its "
+        "floors priced at the K another run chose), printed and written under --out",
+    )
     p.add_argument("--no-engine", action="store_true", help="skip our engine's rows")
     p.add_argument(
         "--preload-iomp",
@@ -109,6 +129,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeats, --limit, --max-tokens, --prompt-tokens and --threads must be >= 1")
     if min(args.concurrency) < 1:
         p.error("--concurrency must be >= 1")
+    args.floor_ks = None
+    if args.floor_from is not None:
+        try:
+            args.floor_ks = held_out_ks(json.loads(args.floor_from.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            p.error(f"--floor-from {args.floor_from}: not a bench_vllm summary.json ({exc})")
+    if args.tables_from is not None:
+        try:
+            args.raw_runs = json.loads(args.tables_from.read_text())["runs"]
+            summarize(args.raw_runs)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            p.error(f"--tables-from {args.tables_from}: not a bench_vllm raw.json ({exc})")
     if min(args.temperatures) < 0:
         p.error(f"--temperatures must be >= 0, got {args.temperatures}")
     args.temperatures = sorted(set(args.temperatures))
@@ -131,6 +163,8 @@ def _metric(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.tables_from is not None:
+        return _tables_from(args)
     if args.method_list:
         vllm_python()  # no vLLM environment: say so before loading anything
     with torch_threads(args.threads):
@@ -151,9 +185,11 @@ def main(argv: list[str] | None = None) -> dict:
             progress=lambda line: print(line, flush=True),
             extra_env=_preload(args.preload_iomp),
             interleave=args.interleave,
+            floor_ks=args.floor_ks,
         )
     summary = result["summary"]
-    params = {k: str(v) for k, v in vars(args).items() if k not in ("method_list", "domain_list")}
+    skip = ("method_list", "domain_list", "floor_ks", "raw_runs")
+    params = {k: str(v) for k, v in vars(args).items() if k not in skip}
     with tracked_run("bench_vllm", params=params) as tracked:
         metrics = {}
         for cell in summary["cells"]:
@@ -170,6 +206,16 @@ def main(argv: list[str] | None = None) -> dict:
         run_id = tracked.run_id
     print(result["text"])
     print(f"\nresults in {args.out}; MLflow run {run_id} at {tracking_uri()}")
+    return result
+
+
+def _tables_from(args: argparse.Namespace) -> dict:
+    """The tables of an earlier run's raw.json, re-summarized (nothing runs)."""
+    held_out = f"; floors from {args.floor_from}" if args.floor_from else ""
+    result = retable(
+        args.raw_runs, args.out, f"tables of {args.tables_from}{held_out}", args.floor_ks
+    )
+    print(result["text"])
     return result
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from pipeline.bench.vllm_tables import summarize
 from pipeline.models.loading import REPO_ROOT
 from pipeline.vllm_spec.env import engine_env, vllm_python
 
@@ -45,6 +46,7 @@ def _run(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Completed
         (["--methods", "draft_model:k=2:draft_sample_method=top"], "greedy or probabilistic"),
         (["--domains", "code,poetry"], "--domains: unknown domains ['poetry']"),
         (["--concurrency", "0"], "--concurrency must be >= 1"),
+        (["--floor-from", "nowhere.json"], "--floor-from nowhere.json: not a bench_vllm summary"),
     ],
 )
 def test_bad_arguments_exit_2_before_any_engine(args, message, tmp_path, monkeypatch, capsys):
@@ -62,6 +64,34 @@ def test_bad_arguments_exit_2_before_any_engine(args, message, tmp_path, monkeyp
     assert message in err, err[-2000:]
     assert not out.exists()  # nothing ran: no prompts, no spec, no engine
     assert not list(tmp_path.iterdir())  # no tracking store either
+
+
+def test_tables_of_an_earlier_run_with_a_floor_another_run_chose(tmp_path, capsys):
+    """--tables-from re-summarizes a raw.json (nothing runs); with --floor-from, ours' floor
+    takes the K another run found best."""
+    from jobs import bench_vllm
+
+    def run(method: str, repeat: int, tok_s: float) -> dict:
+        cell = {"domain": "code", "temperature": 0.0, "concurrency": 1, "tok_s": tok_s}
+        cell |= {"tokens": tok_s, "wall_s": 1.0, "outputs": [[1]]}
+        return {"method": method, "repeat": repeat, "cells": [cell]}
+
+    rates = {"none": 100, "draft_model:k=2": 110, "draft_model:k=3": 125, "ours:k=4": 120}
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"runs": [run(m, 0, v) for m, v in rates.items()]}))
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(summarize([run("draft_model:k=2", 0, 130)])))
+    out = tmp_path / "tables"
+    result = bench_vllm.main(["--tables-from", str(raw), "--out", str(out)])
+    assert result["summary"]["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == 0.96
+    args = ["--tables-from", str(raw), "--floor-from", str(earlier), "--out", str(out)]
+    result = bench_vllm.main(args)
+    assert result["summary"]["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == 120 / 110
+    assert "floor K from another run: draft_model:k=2" in (out / "tables.txt").read_text()
+    assert "floor K from another run" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_vllm.main(["--tables-from", str(earlier), "--out", str(out)])
+    assert "not a bench_vllm raw.json" in capsys.readouterr().err
 
 
 def test_engines_leave_a_core_to_their_front_end(monkeypatch):

@@ -4,7 +4,7 @@ of medians, is what a method buys."""
 
 import pytest
 
-from pipeline.bench.vllm_tables import summarize
+from pipeline.bench.vllm_tables import format_tables, held_out_ks, summarize
 
 
 def _run(method: str, repeat: int, tok_s: float) -> dict:
@@ -35,6 +35,40 @@ def test_ratios_to_none_and_floor_are_paired_within_repeats():
     assert (ours["vs_floor_min"], ours["vs_floor_max"]) == pytest.approx((0.75, 1.1))
     assert rows["draft_model:k=2"]["vs_floor"] is None  # only ours has a floor
     assert summary["pooled"]["ours:k=2"]["vs_none"] == pytest.approx(1.05)
+    # each repeat's too, in repeat order, and printed: any two methods pair repeat by repeat
+    each = summary["pooled"]["ours:k=2"]["vs_none_per_repeat"]
+    assert list(each) == [0, 1, 2] and list(each.values()) == pytest.approx([1.1, 1.05, 0.9])
+    assert "1.100 1.050 0.900" in format_tables(summary, "h")
+
+
+def test_a_floor_can_take_the_k_another_run_chose():
+    """--floor-from: ours' floor is the fixed K another run found best, not this run's best
+    of several arms (chosen on this run's own noise)."""
+    rates = {
+        "none": [100, 100, 100],
+        "draft_model:k=2": [120, 110, 130],
+        "draft_model:k=3": [125, 100, 125],  # this run's best by median (125 > 120)
+        "ours:k=4": [120, 120, 120],
+    }
+    runs = [_run(m, r, v) for m, vs in rates.items() for r, v in enumerate(vs)]
+    assert summarize(runs)["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == pytest.approx(0.96)
+    earlier = summarize(
+        [
+            _run(m, r, v)
+            for m, v in (("draft_model:k=2", 130), ("draft_model:k=3", 90))
+            for r in (0,)
+        ]
+    )
+    chosen = held_out_ks(earlier)
+    assert list(chosen.values()) == [{"draft_model:": "draft_model:k=2"}]
+    summary = summarize(runs, chosen)
+    # 120/120, 120/110, 120/130: median 1.0
+    assert summary["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == pytest.approx(1.0)
+    assert summary["cells"][0]["floor_ks"] == {"draft_model:": "draft_model:k=2"}
+    assert "floor K from another run: draft_model:k=2" in format_tables(summary, "h")
+    # a K this run lacks: its own best, as without
+    other = summarize(runs, {k: {"draft_model:": "draft_model:k=9"} for k in chosen})
+    assert other["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == pytest.approx(0.96)
 
 
 def test_a_repeat_where_a_peer_failed_is_left_out_not_misaligned():

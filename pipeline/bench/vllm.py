@@ -155,11 +155,12 @@ def bench_vllm(
     progress=print,
     extra_env: dict | None = None,
     interleave: str = "methods",
+    floor_ks: dict | None = None,
 ) -> dict:
     """The whole benchmark: prompts, vLLM's methods (a subprocess), our engine's rows, the
     tables; raw results, summary and tables written under ``out``. ``interleave``: what
-    alternates in the vLLM run (pipeline.bench.vllm_run_cells)."""
-    from pipeline.bench.vllm_tables import format_tables, summarize
+    alternates in the vLLM run (pipeline.bench.vllm_run_cells); ``floor_ks``: the fixed K of
+    each cell's floor, chosen by another run (pipeline.bench.vllm_tables.held_out_ks)."""
     from pipeline.models.loading import load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -192,14 +193,23 @@ def bench_vllm(
         pair = load_pair(target, draft, *model_args)  # (device, dtype, experts kernel)
         artifacts = load_artifacts(device=str(pair.device))
         runs += engine_runs(pair, cells, repeats, artifacts, progress=progress)
-    summary = summarize(runs)
     header = (
         f"vLLM vs our engine: {', '.join(domains)}; T {temperatures}; c {concurrency}; "
         f"{limit} prompts (c of them at c > limit) x {max_tokens} tokens; "
         f"{repeats} repeats (median, min-max)"
     )
-    text = format_tables(summary, header)
     (out / "raw.json").write_text(json.dumps({"cells": cells, "runs": runs}))
+    return {"cells": cells, "runs": runs} | retable(runs, out, header, floor_ks)
+
+
+def retable(runs: list[dict], out: Path, header: str, floor_ks: dict | None = None) -> dict:
+    """The tables of a run's results (its raw.json's runs): summary.json and tables.txt
+    under ``out``; ``floor_ks``: each cell's floor K chosen by another run."""
+    from pipeline.bench.vllm_tables import format_tables, summarize
+
+    summary = summarize(runs, floor_ks)
+    text = format_tables(summary, header)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "tables.txt").write_text(text + "\n")
-    return {"cells": cells, "runs": runs, "summary": summary, "text": text}
+    return {"summary": summary, "text": text}

@@ -39,11 +39,14 @@ def is_fixed_draft(label: str) -> bool:
     return label.startswith(("draft_model:", "eagle3:")) and "schedule" not in label
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], floor_ks: dict | None = None) -> dict:
     """{"cells": [{domain, temperature, concurrency, methods: {label: row}, best_draft,
-    best_engine_fixed}], "pooled": {label: row}, "texts": {label: counts}, "errors": {...}}."""
+    best_engine_fixed, floor_ks}], "pooled": {label: row}, "texts": {label: counts},
+    "errors": {...}}. ``floor_ks`` (held_out_ks of another run): the fixed K each cell's floor
+    takes, where this run has it, instead of this run's best."""
     cells = []
     for key, methods in sorted(_by_cell(runs).items()):
+        chosen = (floor_ks or {}).get(key, {})
         rows = {}
         for label, results in methods.items():
             tok_s = [r["tok_s"] for r in results]
@@ -64,7 +67,7 @@ def summarize(runs: list[dict]) -> dict:
         for label, row in rows.items():
             row["vs_none"] = _paired(row, [rows[BASE]]) if base else None
             row["vs_best_draft"] = row["tok_s"] / rows[best]["tok_s"] if best else None
-            floor = _floor(rows, label)
+            floor = _floor(rows, label, chosen)
             if floor:
                 ratios = _ratios(row, floor)
                 row["vs_floor"] = statistics.median(ratios)
@@ -79,6 +82,7 @@ def summarize(runs: list[dict]) -> dict:
                 "methods": rows,
                 "best_draft": best,
                 "best_engine_fixed": best_engine,
+                "floor_ks": {p: m for p, m in chosen.items() if m in rows},
             }
         )
     errors: dict[str, str] = {}
@@ -99,19 +103,40 @@ def _skipped(results: list[dict]) -> float | None:
 FLOOR_PEERS = {"ours:": "draft_model:", "ours-eagle3:": "eagle3:"}
 
 
-def _floor(rows: dict, label: str) -> list[dict] | None:
-    """The rows of ours' floor: none and the best (by median) fixed K of its drafter."""
+def _floor(rows: dict, label: str, chosen: dict | None = None) -> list[dict] | None:
+    """The rows of ours' floor: none and the best (by median) fixed K of its drafter, or the
+    K ``chosen`` (drafter prefix -> label) by another run where this run has it."""
     prefix = next((p for p in FLOOR_PEERS if label.startswith(p)), None)
     if prefix is None:
         return None
     base = [rows[BASE]] if rows.get(BASE, {}).get("tok_s") else []
-    fixed = [
-        r
-        for m, r in rows.items()
-        if r["tok_s"] and m.startswith(FLOOR_PEERS[prefix]) and "schedule" not in m
-    ]
-    peers = base + ([max(fixed, key=lambda r: r["tok_s"])] if fixed else [])
+    held_out = (chosen or {}).get(FLOOR_PEERS[prefix])
+    if held_out in rows and rows[held_out]["tok_s"]:
+        return base + [rows[held_out]]
+    fixed = _fixed(rows, FLOOR_PEERS[prefix])
+    peers = base + ([rows[max(fixed, key=lambda m: rows[m]["tok_s"])]] if fixed else [])
     return peers or None
+
+
+def _fixed(rows: dict, prefix: str) -> list[str]:
+    return [
+        m for m, r in rows.items() if r["tok_s"] and m.startswith(prefix) and "schedule" not in m
+    ]
+
+
+def held_out_ks(summary: dict) -> dict[tuple, dict[str, str]]:
+    """Per cell of another run's summary, the best fixed K (by median) of each drafter a floor
+    takes: priced in a new run, ours' floor is then one K chosen on other repeats, not the
+    best of several arms chosen on this run's own noise (which reads above every arm)."""
+    out: dict[tuple, dict[str, str]] = {}
+    for cell in summary["cells"]:
+        rows = cell["methods"]
+        for prefix in FLOOR_PEERS.values():
+            fixed = _fixed(rows, prefix)
+            if fixed:
+                best = max(fixed, key=lambda m: rows[m]["tok_s"])
+                out.setdefault(_key(cell), {})[prefix] = best
+    return out
 
 
 def _ratios(row: dict, peers: list[dict]) -> list[float]:
@@ -150,9 +175,11 @@ def pooled(runs: list[dict], concurrency: int = 1, temperature: float = 0.0) -> 
     for label, reps in rate.items():
         rates = list(reps.values())
         out[label] = {"tok_s": _med(rates), "min": min(rates), "max": max(rates)}
-        # paired, as in the cells: the ratio within each repeat, its median
-        both = [reps[r] / rate[BASE][r] for r in reps if r in rate.get(BASE, {})]
-        out[label]["vs_none"] = _med(both)
+        # paired, as in the cells: the ratio within each repeat, its median; each repeat's
+        # too, so that any two methods compare repeat by repeat (their ratio of these)
+        both = {r: reps[r] / rate[BASE][r] for r in sorted(reps) if r in rate.get(BASE, {})}
+        out[label]["vs_none"] = _med(list(both.values()))
+        out[label]["vs_none_per_repeat"] = both
     return out
 
 
@@ -202,7 +229,9 @@ def format_tables(summary: dict, header: str) -> str:
         lines += [
             f"{cell['domain']}  T={cell['temperature']:g}  c={cell['concurrency']}  "
             f"(best fixed K of vLLM: {cell['best_draft'] or '-'}; best engine fixed K: "
-            f"{cell['best_engine_fixed'] or '-'})",
+            f"{cell['best_engine_fixed'] or '-'}"
+            + "".join(f"; floor K from another run: {m}" for m in cell.get("floor_ks", {}).values())
+            + ")",
             head,
         ]
         for label, r in cell["methods"].items():
@@ -221,12 +250,13 @@ def format_tables(summary: dict, header: str) -> str:
         lines.append("")
     lines.append(
         "pooled over domains at c=1, T=0 (sum tokens / sum time, median over repeats; "
-        "x none paired within repeats)"
+        "x none paired within repeats, then per repeat)"
     )
     for label, r in summary["pooled"].items():
+        each = " ".join(f"{v:.3f}" for v in r.get("vs_none_per_repeat", {}).values())
         lines.append(
             f"  {label:<42}{r['tok_s']:>8.1f} {r['min']:>6.1f}-{r['max']:<6.1f}"
-            f"{_f(r['vs_none'], '.3f'):>8}"
+            f"{_f(r['vs_none'], '.3f'):>8}   {each}".rstrip()
         )
     lines += ["", "T=0 texts, first repeat: tokens equal / total (whole sequences equal)"]
     for label, row in summary["texts"].items():
