@@ -104,8 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="SUMMARY",
         help="a previous run's summary.json: each cell's floor (what ours must not lose to) "
-        "takes the fixed K that run found best, where this run has it, instead of this run's "
-        "best (chosen on this run's own noise, which reads above every arm)",
+        "is the one arm that run found best (none or a fixed K), where this run has it, "
+        "instead of the better of none and this run's best K in each repeat (chosen on this "
+        "run's own noise, which reads above every arm)",
     )
     p.add_argument(
         "--tables-from",

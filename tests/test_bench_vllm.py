@@ -87,8 +87,8 @@ def test_tables_of_an_earlier_run_with_a_floor_another_run_chose(tmp_path, capsy
     args = ["--tables-from", str(raw), "--floor-from", str(earlier), "--out", str(out)]
     result = bench_vllm.main(args)
     assert result["summary"]["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == 120 / 110
-    assert "floor K from another run: draft_model:k=2" in (out / "tables.txt").read_text()
-    assert "floor K from another run" in capsys.readouterr().out
+    assert "floor from another run: draft_model:k=2" in (out / "tables.txt").read_text()
+    assert "floor from another run" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_vllm.main(["--tables-from", str(earlier), "--out", str(out)])
     assert "not a bench_vllm raw.json" in capsys.readouterr().err

@@ -42,8 +42,8 @@ def test_ratios_to_none_and_floor_are_paired_within_repeats():
 
 
 def test_a_floor_can_take_the_k_another_run_chose():
-    """--floor-from: ours' floor is the fixed K another run found best, not this run's best
-    of several arms (chosen on this run's own noise)."""
+    """--floor-from: ours' floor is the one arm another run found best, not the better of
+    none and this run's best K (chosen on this run's own noise)."""
     rates = {
         "none": [100, 100, 100],
         "draft_model:k=2": [120, 110, 130],
@@ -65,10 +65,15 @@ def test_a_floor_can_take_the_k_another_run_chose():
     # 120/120, 120/110, 120/130: median 1.0
     assert summary["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == pytest.approx(1.0)
     assert summary["cells"][0]["floor_ks"] == {"draft_model:": "draft_model:k=2"}
-    assert "floor K from another run: draft_model:k=2" in format_tables(summary, "h")
+    assert "floor from another run: draft_model:k=2" in format_tables(summary, "h")
     # a K this run lacks: its own best, as without
     other = summarize(runs, {k: {"draft_model:": "draft_model:k=9"} for k in chosen})
     assert other["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == pytest.approx(0.96)
+    # where the other run found none faster than every K, the floor is none alone
+    slower = summarize([_run(m, 0, v) for m, v in (("none", 150), ("draft_model:k=2", 130))])
+    assert list(held_out_ks(slower).values()) == [{"draft_model:": "none"}]
+    alone = summarize(runs, held_out_ks(slower))
+    assert alone["cells"][0]["methods"]["ours:k=4"]["vs_floor"] == pytest.approx(1.2)
 
 
 def test_a_repeat_where_a_peer_failed_is_left_out_not_misaligned():

@@ -104,15 +104,16 @@ FLOOR_PEERS = {"ours:": "draft_model:", "ours-eagle3:": "eagle3:"}
 
 
 def _floor(rows: dict, label: str, chosen: dict | None = None) -> list[dict] | None:
-    """The rows of ours' floor: none and the best (by median) fixed K of its drafter, or the
-    K ``chosen`` (drafter prefix -> label) by another run where this run has it."""
+    """The rows of ours' floor: none and the best (by median) fixed K of its drafter, the
+    better of them in each repeat; or the one arm (none or a fixed K) ``chosen`` (drafter
+    prefix -> label) by another run, where this run has it."""
     prefix = next((p for p in FLOOR_PEERS if label.startswith(p)), None)
     if prefix is None:
         return None
-    base = [rows[BASE]] if rows.get(BASE, {}).get("tok_s") else []
     held_out = (chosen or {}).get(FLOOR_PEERS[prefix])
     if held_out in rows and rows[held_out]["tok_s"]:
-        return base + [rows[held_out]]
+        return [rows[held_out]]
+    base = [rows[BASE]] if rows.get(BASE, {}).get("tok_s") else []
     fixed = _fixed(rows, FLOOR_PEERS[prefix])
     peers = base + ([rows[max(fixed, key=lambda m: rows[m]["tok_s"])]] if fixed else [])
     return peers or None
@@ -125,16 +126,18 @@ def _fixed(rows: dict, prefix: str) -> list[str]:
 
 
 def held_out_ks(summary: dict) -> dict[tuple, dict[str, str]]:
-    """Per cell of another run's summary, the best fixed K (by median) of each drafter a floor
-    takes: priced in a new run, ours' floor is then one K chosen on other repeats, not the
-    best of several arms chosen on this run's own noise (which reads above every arm)."""
+    """Per cell of another run's summary and drafter, the arm of ours' floor that run found
+    best by median: its best fixed K, or none where none was faster. Priced in a new run, the
+    floor is then one arm chosen on other repeats, not the better of several chosen on this
+    run's own noise (which reads above every one of them)."""
     out: dict[tuple, dict[str, str]] = {}
     for cell in summary["cells"]:
         rows = cell["methods"]
         for prefix in FLOOR_PEERS.values():
-            fixed = _fixed(rows, prefix)
+            fixed = _fixed(rows, prefix)  # (a drafter the run did not fix K for: no choice)
             if fixed:
-                best = max(fixed, key=lambda m: rows[m]["tok_s"])
+                arms = fixed + ([BASE] if rows.get(BASE, {}).get("tok_s") else [])
+                best = max(arms, key=lambda m: rows[m]["tok_s"])
                 out.setdefault(_key(cell), {})[prefix] = best
     return out
 
@@ -230,7 +233,7 @@ def format_tables(summary: dict, header: str) -> str:
             f"{cell['domain']}  T={cell['temperature']:g}  c={cell['concurrency']}  "
             f"(best fixed K of vLLM: {cell['best_draft'] or '-'}; best engine fixed K: "
             f"{cell['best_engine_fixed'] or '-'}"
-            + "".join(f"; floor K from another run: {m}" for m in cell.get("floor_ks", {}).values())
+            + "".join(f"; floor from another run: {m}" for m in cell.get("floor_ks", {}).values())
             + ")",
             head,
         ]
