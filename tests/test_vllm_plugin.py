@@ -116,6 +116,39 @@ def test_skipping_without_catching_up_would_be_caught(scenarios, tag):
     assert scenarios[f"{tag}skipped_stale"]["text"] == scenarios["plain"]
 
 
+def _kept(proposal: list[int]) -> int:
+    return next((j for j, t in enumerate(proposal) if t < 0), len(proposal))
+
+
+@pytest.mark.slow
+def test_the_acceptance_stop_proposes_prefixes_of_full_chains_and_keeps_greedy_text(scenarios):
+    """The drafter's acceptance stop (K = 8, stop_below 0.3) proposes, at each committed text,
+    a prefix of the draft's full chain there, then only -1; it stops some chains early, runs
+    others past the never-skipped engine's K = 3, ends some steps' loops, and the text stays
+    greedy's."""
+    run = scenarios["stopped"]
+    assert run["text"] == scenarios["plain"]
+    chains, never = run["proposals"], scenarios["never_skipped"]["proposals"]
+    kept = {key: _kept(p) for key, p in chains.items()}
+    assert all(all(t < 0 for t in p[kept[key] :]) for key, p in chains.items())
+    assert min(kept.values()) < 3 and max(kept.values()) > 3
+    common = sorted(set(chains) & set(never))
+    assert len(common) >= 20
+    for key in common:
+        m = min(kept[key], len(never[key]))
+        assert chains[key][:m] == never[key][:m], key
+    assert run["stopped_steps"] > 0
+    # vLLM verified only what was proposed (a finished request's last proposal is not).
+    spec = run["spec"]
+    verified = spec["vllm:spec_decode_num_draft_tokens"]
+    assert verified <= sum(kept.values()) < 8 * len(chains)
+    assert "stop_below needs the cost-aware scheduler" in run["refused"]
+    # The n-gram index the stop reads is each request's own text, all of it (and at most the
+    # last step's few tokens past max_tokens).
+    assert len(run["followed"]) == len(scenarios["plain"])
+    assert all(same and full <= seen <= full + 8 for seen, same, full in run["followed"])
+
+
 @pytest.mark.slow
 def test_the_target_drafting_for_itself_at_t1_accepts_every_token(scenarios):
     counters = scenarios["self_draft_t1_probabilistic"]

@@ -19,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from vllm_scenarios import TEXTS, engine, ids, spec_counters  # noqa: E402
 
+from pipeline.vllm_spec.scheduler import CostAwareScheduler  # noqa: E402
+
 DRAFT = os.path.join(ROOT, "models", "draft")
 HEAD = os.path.join(ROOT, "models", "eagle3-head")
 DRAFTERS = {
@@ -55,12 +57,25 @@ class StretchScheduler(Scheduler):
         return output
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        for req_id, tokens in zip(
-            draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
-        ):
-            request = self.requests.get(req_id)
-            if request is not None and len(tokens) > 0:
-                RECORDS.append([req_id, request.num_tokens, [int(t) for t in tokens]])
+        _record(self, draft_token_ids)
+        super().update_draft_token_ids(draft_token_ids)
+
+
+def _record(scheduler: Any, draft_token_ids: Any) -> None:
+    for req_id, tokens in zip(
+        draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True
+    ):
+        request = scheduler.requests.get(req_id)
+        if request is not None and len(tokens) > 0:
+            RECORDS.append([req_id, request.num_tokens, [int(t) for t in tokens]])
+
+
+class StoppingScheduler(CostAwareScheduler):
+    """The cost-aware scheduler, recording every proposal as the drafter made it (-1 where
+    its acceptance stop proposed nothing) before it cuts them."""
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        _record(self, draft_token_ids)
         super().update_draft_token_ids(draft_token_ids)
 
 
@@ -196,6 +211,45 @@ def proposals(
     return result
 
 
+def stopped(params) -> dict:
+    """The acceptance stop at K = 8 under the cost-aware scheduler held at K: greedy text,
+    every raw proposal keyed as proposals() keys them, and the drafter's counts; then the
+    message of an engine that asks for the stop under vLLM's own scheduler."""
+    records = importlib.import_module("vllm_plugin_scenarios").RECORDS
+    records.clear()
+    spec = {**DRAFTERS["draft"], "num_speculative_tokens": 8}
+    env = {"SPECBOUND_SCHEDULER": json.dumps({"design": "fixed", "stop_below": 0.3})}
+    llm = engine(spec, env=env, scheduler_cls="vllm_plugin_scenarios.StoppingScheduler")
+    outs = llm.generate(TEXTS, params)
+    order = {o.request_id: i for i, o in enumerate(outs)}
+    keyed = {f"{order[r.split('-')[0]]}:{n}": p for r, n, p in records}
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    stop = runner.model_runner.drafter.acceptance_stop
+    # What the stop followed of each request's text: [its length, whether the two agree where
+    # both go, the text's length]. (A request's last step may verify tokens past its
+    # max_tokens, which the stop follows and the output drops.)
+    whole = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    followed = []
+    for req_id, text in stop.texts.items():
+        full, seen = whole[req_id.split("-")[0]], text.index.tokens
+        common = min(len(seen), len(full))
+        followed.append([len(seen), seen[:common] == full[:common], len(full)])
+    result = {
+        "text": ids(outs),
+        "proposals": keyed,
+        "stopped_steps": stop.stopped_steps,
+        "spec": spec_counters(llm),
+        "followed": followed,
+    }
+    del llm
+    try:
+        engine(spec, env=env, scheduler_cls="vllm_plugin_scenarios.StretchScheduler")
+        result["refused"] = ""
+    except Exception as exc:  # vLLM wraps what the drafter raises
+        result["refused"] = f"{exc} {exc.__cause__ or ''}"
+    return result
+
+
 def main(out_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ["SPECBOUND_TEST_DIR"] = os.path.dirname(os.path.abspath(out_path))
@@ -233,6 +287,7 @@ def main(out_path: str) -> None:
         result[f"{tag}skipped_stale"] = proposals(
             greedy, skip=True, seed=1, catch_up=False, drafter=name
         )
+    result["stopped"] = stopped(greedy)
     result["cached_prefix"] = cached_prefix()
     result["crowded"] = crowded()
     # The target drafting for itself at T = 1: identical distributions accept every token.

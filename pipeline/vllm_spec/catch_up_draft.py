@@ -39,6 +39,7 @@ from pipeline.vllm_spec.catch_up_inputs import with_missed
 from pipeline.vllm_spec.stale_blocks import StaleBlocks
 from pipeline.vllm_spec.stats import DRAFTER_FIELDS, DRAFTER_STATS_ENV, StatsFile
 from pipeline.vllm_spec.step_rows import block_ids, step_rows
+from pipeline.vllm_spec.stopping_draft import AcceptanceStopDrafter
 
 
 class CatchUp:
@@ -258,8 +259,8 @@ def _ints(values) -> list[int]:
     return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
 
 
-class CatchUpDraftModelProposer(CatchUp, DraftModelProposer):
-    """vLLM's ``draft_model`` drafter, free at k = 0."""
+class CatchUpDraftModelProposer(AcceptanceStopDrafter, CatchUp, DraftModelProposer):
+    """vLLM's ``draft_model`` drafter, free at k = 0, with the acceptance stop where asked."""
 
 
 class CatchUpEagleProposer(CatchUp, EagleProposer):

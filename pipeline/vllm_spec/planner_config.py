@@ -62,6 +62,10 @@ class PlannerConfig:
     # it measured steps at 0 as built (at 16 requests 1,282 against 96) and lost 7-11% at 16
     # ShareGPT requests by choosing 0 for 30% of the steps (docs/serving_vllm.md).
     zero_fit: bool = False
+    # The acceptance stop (pipeline.vllm_spec.acceptance_stop): a greedy row's chain ends where
+    # the pair's acceptance model puts the chance that all of it is accepted, times the next
+    # token's, below this (0: off; the draft model's drafter only).
+    stop_below: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +85,8 @@ class PlannerConfig:
             raise ValueError(f"unlock_every {self.unlock_every}: 0 (never) or more")
         if self.measure_off_every < 0:
             raise ValueError(f"measure_off_every {self.measure_off_every}: 0 (never) or more")
+        if not 0.0 <= self.stop_below < 1.0:
+            raise ValueError(f"stop_below {self.stop_below}: 0 (off) or below 1")
         if self.design not in ("policy", "fixed", "off"):
             raise ValueError(f"design {self.design!r}: policy, fixed or off")
 

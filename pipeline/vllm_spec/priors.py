@@ -62,6 +62,12 @@ def _find(
     return other
 
 
+def find_artifact(draft: Path, name: str) -> Path | None:
+    """The artifact ``name`` of this draft (beside it, or in its parent folder naming it)."""
+    found = _find(Path(draft), name)
+    return found[0] if found is not None else None
+
+
 def load_priors(draft: str | Path | None, device: str = "cpu", target: str | None = None) -> Priors:
     """The pair's priors (empty where an artifact is missing or does not fit); ``target``: the
     engine's model, for a calibration of that target made with another drafter."""

@@ -55,6 +55,11 @@ class CostAwareScheduler(Scheduler):
         config = PlannerConfig.from_env()
         spec = self.vllm_config.speculative_config
         draft = getattr(spec, "model", None) if spec is not None else None
+        if config.stop_below > 0 and getattr(spec, "method", None) != "draft_model":
+            raise ValueError(
+                "stop_below: the acceptance stop reads a draft model's acceptance model; this "
+                f"engine drafts with {getattr(spec, 'method', None)}"
+            )
         device = str(getattr(self.vllm_config.device_config, "device_type", "cpu") or "cpu")
         target = getattr(self.vllm_config.model_config, "model", None)
         priors = load_priors(draft, device, target) if config.offline_priors else load_priors(None)
@@ -107,7 +112,11 @@ class CostAwareScheduler(Scheduler):
                     planner.set_cap(request.request_id, cap)
             if request.spec_token_ids:
                 # The drafted chain's tail not worth verifying is dropped (vLLM drops invalid
-                # draft tokens of structured output the same way).
+                # draft tokens of structured output the same way): from the first -1 (a token
+                # the drafter's acceptance stop did not propose), then by the marginal rule.
+                drafted = request.spec_token_ids
+                if min(drafted) < 0:
+                    del drafted[next(j for j, t in enumerate(drafted) if t < 0) :]
                 del request.spec_token_ids[
                     planner.keep(request.request_id, len(request.spec_token_ids), rows) :
                 ]
