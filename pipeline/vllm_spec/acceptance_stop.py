@@ -243,6 +243,11 @@ def acceptance_stop_for(vllm_config: Any) -> AcceptanceStop | None:
             "stop_below: a draft model's acceptance model, read by vLLM's "
             "draft_model drafter with its padded batch (method draft_model)"
         )
+    if spec.use_heterogeneous_vocab or spec.use_local_argmax_reduction:
+        # The stop drafts the argmax of the draft's full logits itself.
+        raise ValueError(
+            "stop_below: a draft of the target's vocabulary, without local argmax reduction"
+        )
     found = find_artifact(Path(spec.model), "acceptance.json")
     if found is None:
         raise ValueError(
