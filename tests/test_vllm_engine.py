@@ -63,6 +63,7 @@ def test_vllm_serves_the_eagle3_head_with_the_greedy_text(scenarios, cell):
 
 @pytest.mark.slow
 def test_the_head_drafts_accepted_tokens_in_vllm_also_under_the_scheduler(scenarios):
+    # Greedy text equal also through the A/B check's held epochs (tests/vllm_scenarios.py).
     assert scenarios["sched_eagle3_c8"] == scenarios["plain_c8"]
     assert scenarios["sched_eagle3_short"] == scenarios["plain_short"]
     for name in ("eagle3_spec", "sched_eagle3_spec"):
@@ -72,6 +73,8 @@ def test_the_head_drafts_accepted_tokens_in_vllm_also_under_the_scheduler(scenar
         assert 0.3 * tokens < spec["vllm:spec_decode_num_accepted_tokens"] <= tokens, spec
     spec = scenarios["sched_eagle3_spec"]
     assert spec["vllm:spec_decode_num_draft_tokens"] / spec["vllm:spec_decode_num_drafts"] > 1.0
+    # That engine ran the A/B check: epochs of the policy, held at 0 and held at 2.
+    assert all(n > 0 for n in scenarios["sched_eagle3_ab_epochs"].values())
 
 
 @pytest.mark.slow

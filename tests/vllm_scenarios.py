@@ -156,10 +156,16 @@ def main(out_path: str) -> None:
     result["eagle3_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
     result["eagle3_spec"] = spec_counters(llm)
     del llm
-    llm = engine(headed, explore, scheduler_cls=SCHEDULER)
+    # With the A/B check in epochs of 3 steps: epochs held at 0 and at 2 between the policy's.
+    checked = {"explore": 0.34, "seed": 1, "ab_epoch": 3, "ab_fixed": 2}
+    llm = engine(headed, {"SPECBOUND_SCHEDULER": json.dumps(checked)}, scheduler_cls=SCHEDULER)
     result["sched_eagle3_c8"] = ids(llm.generate(prompts, greedy, use_tqdm=False))
     result["sched_eagle3_short"] = ids(llm.generate(prompts, short, use_tqdm=False))
     result["sched_eagle3_spec"] = spec_counters(llm)
+    ab = llm.llm_engine.engine_core.engine_core.scheduler.planner.ab
+    result["sched_eagle3_ab_epochs"] = {
+        str(side): sum(b.sides[side].epochs for b in ab.bands.values()) for side in (-1, 0, 2)
+    }
     del llm
 
     # A KV cache too small for the batch: vLLM preempts requests and recomputes them later

@@ -66,6 +66,12 @@ class PlannerConfig:
     # the pair's acceptance model puts the chance that all of it is accepted, times the next
     # token's, below this (0: off; the draft model's drafter only).
     stop_below: float = 0.0
+    # The A/B check (pipeline.vllm_spec.ab_check): epochs of this many steps run either as
+    # the planner chooses or held at 0 (and at ab_fixed where set), and per batch size the
+    # side that made the most tokens per millisecond runs, the others re-checked now and then
+    # (0: off).
+    ab_epoch: int = 0
+    ab_fixed: int = 0  # a K the check also holds besides 0 (0: none; at most the engine's K)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +91,8 @@ class PlannerConfig:
             raise ValueError(f"unlock_every {self.unlock_every}: 0 (never) or more")
         if self.measure_off_every < 0:
             raise ValueError(f"measure_off_every {self.measure_off_every}: 0 (never) or more")
+        if self.ab_epoch < 0 or self.ab_fixed < 0:
+            raise ValueError(f"ab_epoch {self.ab_epoch}, ab_fixed {self.ab_fixed}: 0 (off) or more")
         if not 0.0 <= self.stop_below < 1.0:
             raise ValueError(f"stop_below {self.stop_below}: 0 (off) or below 1")
         if self.design not in ("policy", "fixed", "off"):

@@ -1,7 +1,6 @@
 """The draft length of each vLLM step, chosen by modelled tokens per millisecond; the model
 starts from what the project measured offline for the pair (pipeline.vllm_spec.priors) and is
-refined online on the replica that runs it (numpy only: it runs in vLLM's engine process and
-is tested without vLLM).
+refined online on the replica that runs it (numpy only: it runs in vLLM's engine process).
 
 - **Acceptance**, per request and decoding mode (a row is priced at its own temperature), a
   per-token rate ``a`` from the chains vLLM verifies, its j-th draft accepted with its prefix
@@ -10,20 +9,18 @@ is tested without vLLM).
 - **Step cost**, for the whole replica: ``T = c0 + c_pos P + c_union U(P) + c_row B +
   k (d0 + d_row B) + [k > 0] (s0 + s_row B)`` ms (pipeline.vllm_spec.online_step_cost), P
   verified positions, U(P) the expected union of experts they load, B rows, k draft rounds;
-  fitted per batch-size band over the decode steps the engine times (a
-  step that also prefills is not fitted; the scheduler times a step from its ``schedule()``
-  to the next), from the calibration's costs as a prior it never forgets. With the plugin's
-  drafter a step at k = 0 runs no draft forward, so idle steps measure the target's terms and
-  no step needs drafting at random (``explore``, default 0).
+  fitted per batch-size band over the decode steps the engine times (schedule() to the next),
+  from the calibration's costs as a prior it never forgets. With the plugin's drafter a step
+  at k = 0 runs no draft forward, so no step needs drafting at random (``explore``, 0).
 
 ``choose(rows)`` returns the k of 0..K maximizing (expected tokens of the rows) / T at the
 steady state where every step drafts k for every row, each row counted for the drafts
 ``keep`` will verify of its chain, T at k > 0 plus those tokens' share of the draft's prefill
-of the prompts (pipeline.vllm_spec.draft_prefill); with ``price_switches`` it crosses 0
-(drafting on or off) only once a switch there and back has paid (pipeline.vllm_spec.switch_cost;
-at least the catch-up it will make). ``keep(row, n)`` is the marginal rule for a chain
-already drafted: its j-th token is verified only if what it adds in expectation,
-``reach_j``, is worth its verification at the replica's recent tokens/ms.
+of the prompts (pipeline.vllm_spec.draft_prefill); with ``price_switches`` it crosses 0 only
+once a switch there and back has paid (pipeline.vllm_spec.switch_cost); with ``ab_epoch``
+the A/B check holds whole epochs at 0 or K (pipeline.vllm_spec.ab_check). ``keep(row, n)`` is
+the marginal rule for a chain already drafted: its j-th token is verified only if what it
+adds in expectation, ``reach_j``, is worth its verification at the replica's tokens/ms.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ import math
 
 import numpy as np
 
+from pipeline.vllm_spec.ab_check import ABCheck
 from pipeline.vllm_spec.draft_prefill import DraftPrefill
 from pipeline.vllm_spec.online_step_cost import OnlineStepCost
 from pipeline.vllm_spec.planner_config import PlannerConfig
@@ -53,12 +51,8 @@ class StepPlanner:
         self.cost = OnlineStepCost(
             priors, use, c.prior_cost, c.prior_precision, c.forget, c.row_terms, c.zero_fit
         )
-        mode_rates = {
-            m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES
-        }
-        self.acceptance = RowAcceptance(
-            mode_rates, c.prior_weight, c.decay, c.revert, c.depth_factors
-        )
+        rates = {m: (priors.rates.get(m, c.prior_rate) if use else c.prior_rate) for m in MODES}
+        self.acceptance = RowAcceptance(rates, c.prior_weight, c.decay, c.revert, c.depth_factors)
         self.rng = np.random.default_rng(c.seed)
         self.caps: dict[str, int] = {}  # id -> most draft tokens its row may verify
         self.steps = 0
@@ -69,16 +63,18 @@ class StepPlanner:
         self.unfitted_steps = 0  # steps not fitted (prefill, catch-up, churn: a report)
         self.measured_off = 0  # steps held at 0 to measure the drafting terms (a report)
         self.switches = 0  # steps whose k differs from the step before (a report)
-        self._last_k = -1
-        self._since_off = 0  # choices since the last such pair
+        self._last_k, self._since_off = -1, 0  # the last k; choices since the last off pair
         self.unlocked = 0  # steps drafted after unlock_every choices of 0 (a report)
         self._at_zero = self._unlock_left = 0  # choices of 0 in a row; unlock steps left
-        self._worth_key: tuple | None = None  # what _worth's last pricing was made for
-        self._worth_age = 0
+        self._worth_key, self._worth_age = None, 0  # what _worth's last pricing was made for
         self._worth_cached = self._worth_ms = np.zeros(0)
         self.switch_cost = SwitchCost()
         self.prefill = DraftPrefill(self.cost)
         self._policy_k = -1  # the last k chosen by the model (not an unlock's)
+        if c.ab_fixed > max_k:
+            raise ValueError(f"ab_fixed {c.ab_fixed}: at most the engine's K ({max_k})")
+        self.ab = ABCheck(c.ab_epoch, (0, c.ab_fixed)) if c.ab_epoch and c.design != "off" else None
+        self._held: int | None = None  # the k the A/B check holds this step at, if it does
 
     # -- acceptance (pipeline.vllm_spec.row_acceptance) and the requests' caps -----------
 
@@ -136,19 +132,19 @@ class StepPlanner:
         switch: str | None = None,
         caught_up: int = 0,
     ) -> None:
-        """One timed engine step (pipeline.vllm_spec.online_step_cost); ``tokens``: what
-        the step produced, for the replica's recent tokens per ms. A step that also prefills,
-        catches the draft up or saw a request arrive or end (``decode`` False) is not fitted:
-        the model prices decode steps (a catch-up's cost is its backlog's, an arrival's the
-        serving stack's, neither the draft length's; ``positions`` are verified ones).
-        ``switch`` ("on" or "off"): an otherwise decode-only step that switched drafting,
-        measured by what it cost above a steady step's price (pipeline.vllm_spec.switch_cost);
-        switching on, it caught up ``caught_up`` tokens of the draft (the draft's prefill
-        price, pipeline.vllm_spec.draft_prefill)."""
+        """One timed engine step (pipeline.vllm_spec.online_step_cost); ``tokens``: what it
+        made (the replica's recent tokens per ms, the A/B check). A step that also prefills,
+        catches the draft up or saw a request arrive or end (``decode`` False) is not fitted
+        (its cost is not the draft length's; ``positions`` are verified ones). ``switch``
+        ("on"/"off"): a decode step that switched drafting, measured above a steady step's
+        price (pipeline.vllm_spec.switch_cost); on, it caught up ``caught_up`` tokens of the
+        draft (pipeline.vllm_spec.draft_prefill)."""
         if not math.isfinite(ms) or ms <= 0:
             return
         if tokens is not None:
             self.tokens_per_ms = 0.9 * self.tokens_per_ms + 0.1 * tokens / ms
+            if self.ab is not None:
+                self.ab.observe(tokens, ms)
         self.acceptance.fade_to_prior()
         self.steps += 1
         if decode:
@@ -170,7 +166,8 @@ class StepPlanner:
         capped = min(drafted, self.cap(request_id))
         self.trimmed += drafted - capped
         drafted = capped
-        if not self.config.trim or self.config.design == "fixed" or self.tokens_per_ms <= 0:
+        fixed = self.config.design == "fixed" or self._held is not None
+        if not self.config.trim or fixed or self.tokens_per_ms <= 0:
             return drafted
         reach, kept = self.acceptance.reach(request_id, drafted), 0
         extras = self.cost.position_prices(positions, self.max_k)
@@ -185,13 +182,13 @@ class StepPlanner:
         return (
             f"steps {self.steps} ({self.unfitted_steps} not fitted); "
             f"k chosen {chosen or '-'} (changed at {self.switches} steps); "
-            f"{self.acceptance.report()}; "
-            f"step ms coefficients {self.cost.coefficients()}; "
+            f"{self.acceptance.report()}; step ms coefficients {self.cost.coefficients()}; "
             f"{self.tokens_per_ms:.3f} tokens/ms; {self.trimmed} drafted tokens "
             f"left unverified; {self.held_off} row-steps held off by their request; "
             f"{self.measured_off} steps held at 0 to measure drafting; {self.unlocked} "
             f"drafted after {self.config.unlock_every} or more at 0; "
             f"{self.switch_cost.report()}; {self.prefill.report()}; {self.cost.report()}"
+            + (f"; {self.ab.report()}" if self.ab is not None else "")
         )
 
     # -- the choice ---------------------------------------------------------------------
@@ -239,8 +236,7 @@ class StepPlanner:
 
     def _kept(self, reach: np.ndarray, rows: int) -> np.ndarray:
         """How many drafted tokens of each row's chain ``keep`` would verify (``reach``: rows
-        x K): a k beyond it pays draft rounds for tokens dropped unverified (31,038 in a run at
-        8 and 16 requests where the choice counted them, 21,760 in a like run since)."""
+        x K): a k beyond it pays draft rounds for tokens dropped unverified."""
         if not self.config.trim or self.tokens_per_ms <= 0:
             return np.full(len(reach), self.max_k)
         prices = np.array(self.cost.position_prices(rows, self.max_k)) * self.tokens_per_ms
@@ -267,6 +263,10 @@ class StepPlanner:
             caps, top = np.full(len(request_ids), self.max_k), self.max_k
         if top == 0:
             return 0  # no row may draft: the step runs as without speculation
+        if self.ab is not None:
+            self._held = self.ab.held(len(request_ids))
+            if self._held is not None:  # an epoch of the A/B check held at a fixed k
+                return min(self._held, top)
         if self.config.design == "fixed":
             return top
         every = self.config.measure_off_every
