@@ -87,7 +87,6 @@ class AcceptanceStop:
         self.texts: dict[str, RowText] = {}
         self.step: StepChains | None = None
         self.stopped_steps = 0  # steps whose loop ended before k (a report)
-        self.cut_tokens = 0  # positions of the steps' k not proposed
 
     def begin(
         self,
@@ -196,7 +195,6 @@ class AcceptanceStop:
         step = self.step
         assert step is not None
         self.step = None
-        self.cut_tokens += sum(step.k - len(chain) for chain in step.chains)
         out = torch.full((batch, step.k), -1, dtype=torch.int64)
         for i, chain in enumerate(step.chains):
             if chain:
@@ -213,7 +211,6 @@ class AcceptanceStop:
         for i, chain in enumerate(step.chains):
             if step.rows[i] is not None and len(chain) < out.shape[1]:
                 out[i, len(chain) :] = -1
-                self.cut_tokens += out.shape[1] - len(chain)
         return out
 
     def forget(self, alive: set[str]) -> None:
